@@ -1,0 +1,90 @@
+"""The PyTorch backend: a per-expert loop over expert-sorted tokens.
+
+Runs anywhere torch runs, accepts every valid config, and is the last resort in the
+priority order. It reads the caller's canonical tensors directly (no copy, no prepack),
+so it costs no memory and is always a safe fallback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import moe_dispatch as md
+from moe_dispatch.reference import SWIGLU_ALPHA, SWIGLU_LIMIT
+
+NAME = "torch"
+PRIORITY = 0
+
+
+def gated_activation(h: torch.Tensor, activation: md.Activation) -> torch.Tensor:
+    """The canonical gated activations with torch's fused kernels; ``[N, 2I] -> [N, I]``."""
+    if activation is md.Activation.SWIGLUOAI:
+        gate, up = h[:, 0::2], h[:, 1::2]
+        gate = gate.clamp(max=SWIGLU_LIMIT)
+        up = up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+        return (up + 1) * gate * torch.sigmoid(SWIGLU_ALPHA * gate)
+    gate, up = h.chunk(2, dim=-1)
+    if activation is md.Activation.SILU:
+        return F.silu(gate) * up
+    if activation is md.Activation.GELU:
+        return F.gelu(gate) * up
+    return F.gelu(gate, approximate="tanh") * up
+
+
+class TorchLoopBackend(md.BackendBase):
+    def supports_config(self, config: md.MoEConfig, capabilities: md.Capabilities) -> md.Decision:
+        return md.accept("portable per-expert loop; runs every valid config")
+
+    def process_weights(self, weights: md.LayerWeights, capabilities: md.Capabilities) -> Any:
+        # No copy: the loop reads the canonical tensors as they are (F.linear takes
+        # any strides). Holding references keeps them alive for the layer's lifetime.
+        return weights
+
+    def apply(self, state: md.LayerWeights, hidden_states: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return moe_loop(state, hidden_states, topk_weights, topk_ids)
+
+
+def moe_loop(weights: md.LayerWeights, x: torch.Tensor, topk_weights: torch.Tensor,
+             topk_ids: torch.Tensor) -> torch.Tensor:
+    """Group tokens by expert, run each active expert once, scatter-add the weighted rows.
+
+    Accumulates in float32 and casts back once, so bf16 results round only at the end.
+    """
+    config = weights.config
+    tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1).to(torch.int64)
+    flat_w = topk_weights.reshape(-1).to(torch.float32)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=config.num_experts).tolist()
+    token_of = order // top_k
+    sorted_w = flat_w[order]
+    out = torch.zeros(tokens, config.hidden_size, dtype=torch.float32)
+    on_input = config.apply_router_weight_on_input
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = token_of[start:start + count]
+        w = sorted_w[start:start + count].unsqueeze(1)
+        start += count
+        xe = x[rows]
+        if on_input:
+            xe = (xe.to(torch.float32) * w).to(x.dtype)
+        b13 = weights.w13_bias[expert] if weights.w13_bias is not None else None
+        b2 = weights.w2_bias[expert] if weights.w2_bias is not None else None
+        h = F.linear(xe, weights.w13[expert], b13)
+        y = F.linear(gated_activation(h, config.activation), weights.w2[expert], b2)
+        y = y.to(torch.float32)
+        out.index_add_(0, rows, y if on_input else y * w)
+    return out.to(x.dtype)
+
+
+@md.hookimpl
+def moe_dispatch_backends() -> list[md.BackendSpec]:
+    return [md.BackendSpec(NAME, PRIORITY, TorchLoopBackend(),
+                           description="per-expert PyTorch loop (portable reference path)",
+                           version=torch.__version__)]

@@ -1,0 +1,267 @@
+"""The zentorch backend: ``torch.ops.zentorch.zentorch_fused_moe`` on AMD Zen.
+
+The op's measured contract and traps are in docs/backends/zentorch.md. This module
+makes every trap unreachable:
+
+- **It rewrites bf16 weights in place** (default weight-cache mode): the backend runs
+  the op only on *private* contiguous copies it owns; the caller's tensors are never
+  passed to it.
+- **Its weight cache is keyed by address**, so a freed-then-reused address, or weights
+  changed in place, give silently stale results: the private copies are never written
+  after the warm-up, every address ever handed to the op is remembered for the life of
+  the process and never handed over again (a copy that lands on one is reallocated), and
+  the warm-up output is checked against an independent computation.
+- **Non-contiguous tensors and duplicate ids in a row give wrong numbers**: inputs are
+  made contiguous; a row with a repeated id is rewritten exactly (the weights of repeats
+  are summed onto the first occurrence, and the repeat slot points at an unused expert
+  with weight 0).
+- **int32 ids, float32 weights**, **T == 0 is an error** (the layer returns early),
+  **skip_weighted only with top_k == 1**, **gelu_tanh is erf GELU** (accepted for bf16
+  only, where the difference is invisible), **swigluoai clamps the gate from below too**
+  (likewise bf16 only).
+- **The first call packs every expert** (seconds): prepare() runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import attrs
+import torch
+
+import moe_dispatch as md
+from moe_dispatch_backends.torch_loop import moe_loop
+
+NAME = "zentorch"
+PRIORITY = 400
+OP_NAME = "zentorch::zentorch_fused_moe"
+
+# The positional arguments this backend passes, by name and type (zentorch 2.13).
+EXPECTED_ARGS: tuple[tuple[str, str], ...] = (
+    ("output", "Tensor"), ("input", "Tensor"), ("w13", "Tensor"), ("w2", "Tensor"),
+    ("w13_bias", "Optional[Tensor]"), ("w2_bias", "Optional[Tensor]"),
+    ("topk_weights", "Tensor"), ("topk_id", "Tensor"), ("skip_weighted", "bool"),
+    ("act", "str"),
+)
+
+# Tolerance of the warm-up self-check (relative Frobenius error against a float32 loop).
+SELF_CHECK_TOL = {torch.bfloat16: 3e-2, torch.float32: 1e-4, torch.float16: 1e-2}
+
+
+def schema_problem(schema: str) -> str | None:
+    """None if the op's schema matches what this backend calls, else what differs."""
+    try:
+        parsed = torch._C.parse_schema(schema)
+    except Exception as exc:  # an unparsable schema is a mismatch, not a crash
+        return f"cannot parse the op schema ({exc})"
+    args = [(a.name, str(a.type)) for a in parsed.arguments]
+    positional = args[:len(EXPECTED_ARGS)]
+    if positional != list(EXPECTED_ARGS):
+        want = ", ".join(f"{t} {n}" for n, t in EXPECTED_ARGS)
+        got = ", ".join(f"{t} {n}" for n, t in positional)
+        return f"expected arguments ({want}), found ({got})"
+    extra = [a.name for a in parsed.arguments[len(EXPECTED_ARGS):] if not a.has_default_value()]
+    if extra:
+        return f"new required arguments {extra}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# The address ledger: the op's weight cache is keyed by memory address and can never be
+# evicted, so an address once handed to the op is never handed over again.
+_LEDGER_LOCK = threading.Lock()
+_BURNED: set[int] = set()
+
+
+def _addresses(t: torch.Tensor) -> set[int]:
+    if t.dim() == 0:
+        return {t.data_ptr()}
+    return {t[i].data_ptr() for i in range(t.shape[0])} | {t.data_ptr()}
+
+
+def _private_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy whose addresses the op has never seen (caller must hold the lock)."""
+    held = []  # clashing allocations stay alive so the allocator cannot return them again
+    for _ in range(64):
+        copy = torch.empty(t.shape, dtype=t.dtype)
+        if not (_addresses(copy) & _BURNED):
+            copy.copy_(t)
+            return copy
+        held.append(copy)
+    raise RuntimeError("could not allocate a weight buffer at an address the zentorch "
+                       "weight cache has not seen")
+
+
+def _burn(*tensors: torch.Tensor | None) -> None:
+    for t in tensors:
+        if t is not None:
+            _BURNED.update(_addresses(t))
+
+
+@attrs.frozen(slots=True, eq=False)
+class ZentorchState:
+    """Backend-owned weights. Private: nothing else ever reads or writes them."""
+
+    config: md.MoEConfig
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_bias: torch.Tensor | None
+    w2_bias: torch.Tensor | None
+    act: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in
+                   (self.w13, self.w2, self.w13_bias, self.w2_bias) if t is not None)
+
+
+class ZentorchBackend(md.BackendBase):
+    def supports_config(self, config: md.MoEConfig, capabilities: md.Capabilities) -> md.Decision:
+        caps = capabilities
+        if caps.zentorch_version is None:
+            return md.reject(f"zentorch is not importable ({caps.zentorch_error or 'not installed'}); "
+                             "install zentorch==2.13.0.2 (x86_64 Linux, matching torch 2.13.0)")
+        schema = caps.op_schema(OP_NAME)
+        if schema is None:
+            return md.reject(f"zentorch {caps.zentorch_version} has no op {OP_NAME} "
+                             "(it first appears in zentorch 2.13)")
+        problem = schema_problem(schema)
+        if problem:
+            return md.reject(f"{OP_NAME} in zentorch {caps.zentorch_version} has a different "
+                             f"signature than this backend was written for: {problem}")
+        if not caps.is_amd_zen:
+            return md.reject(f"zentorch's fused MoE runs on AMD Zen CPUs; this CPU is "
+                             f"{caps.cpu_vendor} {caps.cpu_model or '(unknown model)'}".rstrip())
+        if config.dtype == torch.float16 and not caps.avx512_fp16:
+            return md.reject("float16 needs avx512fp16, which this CPU lacks; use bfloat16")
+        if config.activation is md.Activation.GELU_TANH and config.dtype != torch.bfloat16:
+            return md.reject(f"the op computes erf GELU for 'gelu_tanh'; the tanh approximation "
+                             f"differs by up to 4.7e-4, above {md._config.dtype_name(config.dtype)} "
+                             "tolerance (accepted for bfloat16 only)")
+        if config.activation is md.Activation.SWIGLUOAI and config.dtype != torch.bfloat16:
+            return md.reject("the op clamps the swigluoai gate at -7 as well as +7; gpt-oss "
+                             "clamps only from above, which differs by up to ~5e-5*|up+1| where "
+                             f"gate < -7, above {md._config.dtype_name(config.dtype)} tolerance "
+                             "(accepted for bfloat16 only)")
+        if config.apply_router_weight_on_input and config.top_k != 1:
+            return md.reject("router weight on input maps to skip_weighted, which the op "
+                             "supports only with top_k == 1")
+        if os.environ.get("ZENDNNL_MATMUL_WEIGHT_CACHE", "").strip() == "0":
+            return md.reject("ZENDNNL_MATMUL_WEIGHT_CACHE=0 disables zentorch's weight cache: "
+                             "every call repacks all experts (20-30x slower); unset it")
+        note = ""
+        if config.activation is md.Activation.GELU_TANH:
+            note = " (gelu_tanh runs as erf GELU: invisible in bfloat16)"
+        return md.accept(f"zentorch {caps.zentorch_version} fused MoE on AMD Zen "
+                         f"{caps.zen_generation}{note}")
+
+    def supports_layer(self, weights: md.LayerWeights, capabilities: md.Capabilities) -> md.Decision:
+        config = weights.config
+        for name, t in weights.tensors():
+            if t.device.type != "cpu":
+                return md.reject(f"{name} is on {t.device}; the op runs on CPU tensors only")
+            if t.dtype != config.dtype:
+                return md.reject(f"{name} has dtype {t.dtype}, the config says {config.dtype}")
+            if t.is_sparse or t.layout != torch.strided:
+                return md.reject(f"{name} has layout {t.layout}; the op needs dense strided tensors")
+        if tuple(weights.w13.shape) != config.w13_shape or tuple(weights.w2.shape) != config.w2_shape:
+            return md.reject("weights are not in the canonical [E, 2I, H] / [E, H, I] shapes")
+        return md.accept("the op runs on private contiguous copies made at prepare()")
+
+    def process_weights(self, weights: md.LayerWeights, capabilities: md.Capabilities) -> ZentorchState:
+        import zentorch  # noqa: F401  (registers torch.ops.zentorch)
+
+        config = weights.config
+        with _LEDGER_LOCK:
+            for attempt in range(2):
+                state = ZentorchState(
+                    config,
+                    _private_copy(weights.w13), _private_copy(weights.w2),
+                    _private_copy(weights.w13_bias) if weights.w13_bias is not None else None,
+                    _private_copy(weights.w2_bias) if weights.w2_bias is not None else None,
+                    config.activation.value)
+                _burn(state.w13, state.w2, state.w13_bias, state.w2_bias)
+                error = _warm_up_and_check(state, weights)
+                if error is None:
+                    return state
+        raise RuntimeError(f"the zentorch warm-up output does not match the reference "
+                           f"(relative error {error:.3g}); the op is not used for this layer")
+
+    def apply(self, state: ZentorchState, hidden_states: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return run_op(state, hidden_states, topk_weights, topk_ids)
+
+
+def run_op(state: ZentorchState, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+           topk_ids: torch.Tensor) -> torch.Tensor:
+    """Call the op with every argument in the form it needs (T > 0, ids in range)."""
+    ids = topk_ids.to(torch.int32).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    if ids.shape[1] > 1:
+        ordered = ids.sort(dim=1).values
+        if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+            ids, weights = dedupe_rows(ids, weights, state.config.num_experts)
+    x = hidden_states.contiguous()
+    skip = state.config.apply_router_weight_on_input
+    if skip:
+        x = (x.to(torch.float32) * weights).to(x.dtype)
+    out = torch.empty_like(x)
+    torch.ops.zentorch.zentorch_fused_moe(out, x, state.w13, state.w2, state.w13_bias,
+                                          state.w2_bias, weights, ids, skip, state.act)
+    return out
+
+
+def dedupe_rows(ids: torch.Tensor, weights: torch.Tensor, num_experts: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact rewrite of rows with repeated ids: repeats' weights are summed onto the first
+    occurrence; each repeat slot gets an expert unused in that row, with weight 0."""
+    ids, weights = ids.clone(), weights.clone()
+    ordered = ids.sort(dim=1).values
+    rows = torch.nonzero((ordered[:, 1:] == ordered[:, :-1]).any(dim=1)).flatten().tolist()
+    for r in rows:
+        seen: dict[int, int] = {}
+        row = ids[r].tolist()
+        unused = iter(sorted(set(range(num_experts)) - set(row)))
+        for k, e in enumerate(row):
+            if e in seen:
+                weights[r, seen[e]] += weights[r, k]
+                weights[r, k] = 0.0
+                ids[r, k] = next(unused)  # exists: K <= E and this row repeats an id
+            else:
+                seen[e] = k
+    return ids, weights
+
+
+def _warm_up_and_check(state: ZentorchState, weights: md.LayerWeights) -> float | None:
+    """Pack every expert now (the op's first call packs all of them), and compare the
+    output with an independent float32 loop over the canonical weights. Returns None when
+    they agree, else the relative error."""
+    config = state.config
+    k, e = config.top_k, config.num_experts
+    tokens = -(-e // k)
+    ids = (torch.arange(tokens * k, dtype=torch.int32) % e).reshape(tokens, k)
+    gen = torch.Generator().manual_seed(0x5EED)
+    x = torch.randn(tokens, config.hidden_size, generator=gen).to(config.dtype)
+    tw = torch.rand(tokens, k, generator=gen) + 0.5
+    got = run_op(state, x, tw, ids).to(torch.float64)
+    fp32 = md.LayerWeights(
+        config, weights.w13.float(), weights.w2.float(),
+        weights.w13_bias.float() if weights.w13_bias is not None else None,
+        weights.w2_bias.float() if weights.w2_bias is not None else None)
+    want = moe_loop(fp32, x.float(), tw, ids).to(torch.float64)
+    err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+    return None if err <= SELF_CHECK_TOL[config.dtype] else err
+
+
+@md.hookimpl
+def moe_dispatch_backends() -> list[md.BackendSpec]:
+    try:
+        from importlib.metadata import version
+        ver = version("zentorch")
+    except Exception:
+        ver = ""
+    return [md.BackendSpec(NAME, PRIORITY, ZentorchBackend(),
+                           description="AMD zentorch fused MoE op (zentorch_fused_moe)",
+                           version=ver)]

@@ -1,0 +1,127 @@
+"""The layer configuration: a frozen value object, validated at the boundary."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+import torch
+
+from ._errors import InvalidArgumentError, InvalidTypeError
+
+
+class Activation(str, enum.Enum):
+    """Gated activations, named by their exact math (see docs/architecture.md)."""
+
+    SILU = "silu"  # silu(gate) * up, gate = h[:I], up = h[I:]
+    GELU = "gelu"  # erf GELU(gate) * up
+    GELU_TANH = "gelu_tanh"  # tanh-approximated GELU(gate) * up
+    SWIGLUOAI = "swigluoai"  # gpt-oss clamped SwiGLU, gate/up interleaved
+
+    def __str__(self) -> str:
+        return self.value
+
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32, torch.float16)
+_DTYPE_NAMES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+                "fp32": torch.float32, "float": torch.float32, "float16": torch.float16,
+                "fp16": torch.float16, "half": torch.float16}
+
+
+def to_activation(value: Any) -> Activation:
+    """Convert a string or :class:`Activation` to an :class:`Activation`, or raise naming the field."""
+    if isinstance(value, Activation):
+        return value
+    if isinstance(value, str):
+        try:
+            return Activation(value)
+        except ValueError:
+            pass
+    raise InvalidArgumentError(
+        "activation", value, "one of " + ", ".join(repr(a.value) for a in Activation))
+
+
+def to_dtype(value: Any) -> torch.dtype:
+    """Convert a ``torch.dtype`` or a dtype name (``"bf16"``, ``"float32"``...) to a dtype."""
+    if isinstance(value, str) and value.lower() in _DTYPE_NAMES:
+        value = _DTYPE_NAMES[value.lower()]
+    if isinstance(value, torch.dtype) and value in SUPPORTED_DTYPES:
+        return value
+    raise InvalidArgumentError(
+        "dtype", value, "torch.bfloat16, torch.float32 or torch.float16")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    # bool is an int subclass; True experts is a bug, not a count.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidTypeError(attribute.name, value, "a positive int")
+    if value <= 0:
+        raise InvalidArgumentError(attribute.name, value, "a positive int (> 0)")
+
+
+def _strict_bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise InvalidTypeError(attribute.name, value, "True or False")
+
+
+@attrs.frozen(slots=True, cache_hash=False)
+class MoEConfig:
+    """What a MoE layer computes, before any weight exists.
+
+    Frozen and hashable: it keys the resolution cache. Every field is validated on
+    construction; a bad value raises :class:`~moe_dispatch.InvalidArgumentError` or
+    :class:`~moe_dispatch.InvalidTypeError` naming the field.
+    """
+
+    num_experts: int = attrs.field(validator=_positive_int)
+    top_k: int = attrs.field(validator=_positive_int)
+    hidden_size: int = attrs.field(validator=_positive_int)
+    intermediate_size: int = attrs.field(validator=_positive_int)
+    activation: Activation = attrs.field(default=Activation.SILU, converter=to_activation)
+    dtype: torch.dtype = attrs.field(default=torch.bfloat16, converter=to_dtype)
+    has_bias: bool = attrs.field(default=False, validator=_strict_bool)
+    apply_router_weight_on_input: bool = attrs.field(default=False, validator=_strict_bool)
+
+    def __attrs_post_init__(self) -> None:
+        if self.top_k > self.num_experts:
+            raise InvalidArgumentError(
+                "top_k", self.top_k, f"1 <= top_k <= num_experts ({self.num_experts})")
+        if self.apply_router_weight_on_input and self.top_k != 1:
+            raise InvalidArgumentError(
+                "apply_router_weight_on_input", True,
+                f"False when top_k > 1 (top_k={self.top_k}): scaling the input by one "
+                "router weight is only defined for top_k == 1")
+
+    # Shapes of the canonical weight layout (nn.Linear row-major).
+    @property
+    def w13_shape(self) -> tuple[int, int, int]:
+        return (self.num_experts, 2 * self.intermediate_size, self.hidden_size)
+
+    @property
+    def w2_shape(self) -> tuple[int, int, int]:
+        return (self.num_experts, self.hidden_size, self.intermediate_size)
+
+    @property
+    def w13_bias_shape(self) -> tuple[int, int]:
+        return (self.num_experts, 2 * self.intermediate_size)
+
+    @property
+    def w2_bias_shape(self) -> tuple[int, int]:
+        return (self.num_experts, self.hidden_size)
+
+    def describe(self) -> str:
+        """A one-line summary used in logs and explanations."""
+        flags = []
+        if self.has_bias:
+            flags.append("bias")
+        if self.apply_router_weight_on_input:
+            flags.append("router-weight-on-input")
+        extra = (", " + ", ".join(flags)) if flags else ""
+        return (f"E={self.num_experts} top_k={self.top_k} H={self.hidden_size} "
+                f"I={self.intermediate_size} {self.activation.value} "
+                f"{dtype_name(self.dtype)}{extra}")

@@ -1,0 +1,201 @@
+"""MoELayer: a torch.nn.Module that resolves once, prepares once, and then only runs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Iterable
+
+import attrs
+import torch
+
+from ._capabilities import Capabilities
+from ._config import MoEConfig
+from ._decision import reject
+from ._errors import (InvalidTypeError, KernelError, LayerStateError, MoEDispatchError,
+                      NoBackendError, WeightsModifiedError)
+from ._registry import BackendRecord
+from ._resolver import DEMOTED, Resolution, resolve, resolve_layer
+from ._spec import LayerWeights
+from ._validation import check_forward, check_weights
+
+log = logging.getLogger("moe_dispatch")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@attrs.frozen(slots=True)
+class Demotion:
+    """A backend that failed at run time on this layer and is no longer used for it."""
+
+    backend: str
+    error: str
+
+
+class MoELayer(torch.nn.Module):
+    """A MoE experts layer whose kernel is chosen by the resolver.
+
+    Life cycle: ``MoELayer(config)`` resolves the config; ``load_weights`` stores
+    references to the caller's canonical tensors (never modified); ``prepare`` runs the
+    layer-level checks, fixes the backend and lets it build its own weight layout;
+    ``forward`` runs it.
+
+    ``strict`` (or env ``MOE_DISPATCH_STRICT=1``): a kernel that fails at run time raises
+    :class:`KernelError` instead of falling back to the next accepting backend.
+    """
+
+    def __init__(self, config: MoEConfig, *, backend: str | None = None,
+                 exclude: Iterable[str] = (), capabilities: Capabilities | None = None,
+                 strict: bool | None = None) -> None:
+        super().__init__()
+        if not isinstance(config, MoEConfig):
+            raise InvalidTypeError("config", config, "a moe_dispatch.MoEConfig")
+        self.config = config
+        self._backend_arg = backend
+        self._exclude = tuple(exclude) if not isinstance(exclude, str) else (exclude,)
+        self._capabilities = capabilities
+        self.strict = _env_flag("MOE_DISPATCH_STRICT") if strict is None else bool(strict)
+        # Resolve now: a bad forced name or an unsupported config fails at construction.
+        self._config_resolution: Resolution = resolve(
+            config, backend=backend, exclude=self._exclude, capabilities=capabilities)
+        self._weights: LayerWeights | None = None
+        self._versions: tuple[tuple[str, torch.Tensor, int], ...] = ()
+        self._resolution: Resolution | None = None
+        self._active: tuple[BackendRecord, Any] | None = None
+        self._demotions: list[Demotion] = []
+        self._lock = threading.RLock()
+
+    # -- loading -------------------------------------------------------------------
+    def load_weights(self, w13: torch.Tensor, w2: torch.Tensor,
+                     w13_bias: torch.Tensor | None = None,
+                     w2_bias: torch.Tensor | None = None) -> "MoELayer":
+        """Store the canonical weights (by reference; never modified).
+
+        Loading again replaces the weights and drops the prepared state: call
+        ``prepare()`` again before ``forward``.
+        """
+        weights = check_weights(self.config, w13, w2, w13_bias, w2_bias)
+        with self._lock:
+            self._weights = weights
+            self._active = None
+            self._resolution = None
+            self._versions = ()
+            self._demotions.clear()
+        return self
+
+    def prepare(self) -> "MoELayer":
+        """Layer-level checks, the final backend choice, and the backend's weight processing.
+
+        Calling it again rebuilds from the current weights (after an in-place update).
+        """
+        with self._lock:
+            if self._weights is None:
+                raise LayerStateError("prepare() called before load_weights(): load the "
+                                      "canonical weights first")
+            weights = self._weights
+            demoted = {d.backend for d in self._demotions}
+            res = self._config_resolution
+            if demoted:
+                res = resolve(self.config, backend=self._backend_arg,
+                              exclude=self._exclude + tuple(demoted),
+                              capabilities=self._capabilities)
+            caps = res.capabilities
+
+            def build(rec: BackendRecord) -> Any:
+                return rec.spec.backend.process_weights(weights, caps)
+
+            final, rec, state = resolve_layer(res, weights, build, strict=self.strict)
+            self._resolution = self._annotate(final)
+            self._active = (rec, state)
+            self._versions = tuple((n, t, t._version) for n, t in weights.tensors())
+        return self
+
+    def _annotate(self, res: Resolution) -> Resolution:
+        if not self._demotions:
+            return res
+        notes = tuple(f"demoted at run time: {d.backend}: {d.error}" for d in self._demotions)
+        cands = tuple(attrs.evolve(c, status=DEMOTED, layer_decision=reject(
+            next(d.error for d in self._demotions if d.backend == c.name)))
+            if c.name in {d.backend for d in self._demotions} else c for c in res.candidates)
+        return attrs.evolve(res, candidates=cands, notes=res.notes + notes)
+
+    # -- introspection -------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        """The final backend name (after prepare), else the config-level choice."""
+        active = self._active
+        return active[0].name if active is not None else self._config_resolution.backend
+
+    @property
+    def resolution(self) -> Resolution:
+        return self._resolution or self._config_resolution
+
+    @property
+    def prepared(self) -> bool:
+        return self._active is not None
+
+    @property
+    def demotions(self) -> tuple[Demotion, ...]:
+        return tuple(self._demotions)
+
+    def explain(self) -> str:
+        text = self.resolution.explain()
+        if not self.prepared:
+            text += "\n(config stage only: call prepare() for the layer-level decision)"
+        return text
+
+    def extra_repr(self) -> str:
+        return f"{self.config.describe()}, backend={self.backend!r}, prepared={self.prepared}"
+
+    # -- running -------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        active = self._active
+        if active is None:
+            raise LayerStateError("forward() called before prepare(): call "
+                                  "load_weights(...) and prepare() first")
+        for name, tensor, version in self._versions:
+            if tensor._version != version:
+                raise WeightsModifiedError(
+                    f"{name} was modified in place after prepare() (version {version} -> "
+                    f"{tensor._version}); backend {active[0].name!r} holds a copy built from "
+                    "the old values. Call prepare() again to rebuild it.")
+        tokens = check_forward(self.config, hidden_states, topk_weights, topk_ids)
+        if tokens == 0:
+            return hidden_states.new_empty((0, self.config.hidden_size))
+        rec, state = active
+        try:
+            return rec.spec.backend.apply(state, hidden_states, topk_weights, topk_ids)
+        except MoEDispatchError:
+            raise  # a typed input error from the backend, not a kernel failure
+        except Exception as exc:
+            return self._fall_back(rec, exc, hidden_states, topk_weights, topk_ids)
+
+    def _fall_back(self, rec: BackendRecord, exc: Exception, hidden_states: torch.Tensor,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        error = f"{type(exc).__name__}: {exc}"
+        if self.strict:
+            raise KernelError(f"backend {rec.name!r} failed at run time ({error}); strict "
+                              "mode forbids a fallback") from exc
+        if self._backend_arg is not None or os.environ.get("MOE_DISPATCH_BACKEND"):
+            raise KernelError(f"forced backend {rec.name!r} failed at run time ({error}); a "
+                              "forced backend never falls back") from exc
+        with self._lock:
+            active = self._active
+            if active is not None and active[0].name == rec.name:
+                log.warning("moe-dispatch: backend %r failed at run time on %s (%s); it is "
+                            "demoted for this layer and the next accepting backend takes over",
+                            rec.name, self.config.describe(), error)
+                self._demotions.append(Demotion(rec.name, error))
+                self._active = None
+                try:
+                    self.prepare()
+                except (NoBackendError, MoEDispatchError) as exc2:
+                    raise KernelError(f"backend {rec.name!r} failed at run time ({error}) and no "
+                                      f"fallback accepts this layer: {exc2}") from exc
+            active = self._active
+        assert active is not None
+        return self.forward(hidden_states, topk_weights, topk_ids)

@@ -1,0 +1,285 @@
+"""The backend registry: plugin discovery, validation, ordering and failure records.
+
+A plugin is anything pluggy can register that implements the ``moe_dispatch_backends``
+hook (usually a module). Each hook implementation is called on its own, so one that
+raises or returns garbage is excluded and reported with its source, and never takes the
+other plugins down.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as importlib_metadata
+import logging
+import os
+import threading
+from typing import Any, Iterable
+
+import attrs
+import pluggy
+
+from ._errors import PluginError, UnknownBackendError
+from ._spec import (ENTRY_POINT_GROUP, PROJECT, BackendHookSpec, BackendRecord, BackendSpec,
+                    hookimpl, normalize_name)
+
+log = logging.getLogger("moe_dispatch")
+
+BUILTIN_DISTRIBUTION = "moe-dispatch"
+
+
+def env_names(var: str) -> frozenset[str]:
+    """A comma-separated list of names from the environment, normalised."""
+    raw = os.environ.get(var, "")
+    return frozenset(normalize_name(n) for n in raw.split(",") if n.strip())
+
+
+@attrs.frozen(slots=True)
+class PluginFailure:
+    """A plugin that could not be used, and why (shown by explain and doctor)."""
+
+    plugin: str
+    source: str
+    error: str
+
+
+@attrs.frozen(slots=True)
+class RegistrySnapshot:
+    """An immutable view of the registry at one generation."""
+
+    generation: int
+    records: tuple[BackendRecord, ...]  # sorted by BackendRecord.sort_key
+    failures: tuple[PluginFailure, ...]
+
+    def by_name(self, name: str) -> BackendRecord:
+        key = normalize_name(name)
+        for rec in self.records:
+            if rec.name == key:
+                return rec
+        raise UnknownBackendError(
+            f"unknown backend {name!r}: registered backends are "
+            f"{', '.join(r.name for r in self.records) or '(none)'}")
+
+    def names(self) -> list[str]:
+        return [r.name for r in self.records]
+
+
+class Registry:
+    """Holds the plugin manager; snapshots are rebuilt only when plugins change."""
+
+    def __init__(self, *, load_entry_points: bool = True) -> None:
+        self._lock = threading.RLock()
+        self._pm = pluggy.PluginManager(PROJECT)
+        self._pm.add_hookspecs(BackendHookSpec)
+        self._sources: dict[str, str] = {}
+        self._load_failures: list[PluginFailure] = []
+        self._want_entry_points = load_entry_points
+        self._entry_points_loaded = False
+        self._generation = 0
+        self._snapshot: RegistrySnapshot | None = None
+        self._warned: set[tuple[str, str]] = set()
+
+    # -- discovery -------------------------------------------------------------------
+    def _load_entry_points(self) -> None:
+        """Import every allowed entry point of the group. Disabled ones are never imported."""
+        disabled = env_names("MOE_DISPATCH_DISABLE")
+        allowed = env_names("MOE_DISPATCH_PLUGINS")
+        eps = sorted(importlib_metadata.entry_points(group=ENTRY_POINT_GROUP),
+                     key=lambda ep: (ep.name, ep.value))
+        for ep in eps:
+            dist = getattr(ep, "dist", None)
+            dist_name = getattr(dist, "name", None) or "unknown distribution"
+            builtin = normalize_name(dist_name) == normalize_name(BUILTIN_DISTRIBUTION)
+            version = getattr(dist, "version", "") or ""
+            source = (f"built-in ({dist_name} {version}, entry point {ep.name} = {ep.value})"
+                      if builtin else
+                      f"entry point {ep.name} = {ep.value} from {dist_name} {version}".rstrip())
+            name = normalize_name(ep.name)
+            # Security: the decision to skip is taken before the module is imported.
+            if name in disabled:
+                log.debug("plugin %s skipped: listed in MOE_DISPATCH_DISABLE", ep.name)
+                continue
+            if allowed and not builtin and name not in allowed:
+                log.debug("plugin %s skipped: not in MOE_DISPATCH_PLUGINS", ep.name)
+                continue
+            if self._pm.has_plugin(name):
+                self._fail(name, source, f"another plugin is already registered as {name!r} "
+                           f"({self._sources.get(name, '?')}); this one was not loaded")
+                continue
+            try:
+                plugin = ep.load()
+            except BaseException as exc:  # noqa: BLE001 - a plugin must never take us down
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                self._fail(name, source, f"import failed: {type(exc).__name__}: {exc}")
+                continue
+            try:
+                self._pm.register(plugin, name=name)
+            except Exception as exc:  # pluggy validates hookimpl signatures here
+                self._fail(name, source, f"registration failed: {type(exc).__name__}: {exc}")
+                continue
+            self._sources[name] = source
+
+    def _fail(self, plugin: str, source: str, error: str) -> None:
+        failure = PluginFailure(plugin, source, error)
+        if failure not in self._load_failures:
+            self._load_failures.append(failure)
+        key = (plugin, error)
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("moe-dispatch plugin %s (%s) excluded: %s", plugin, source, error)
+
+    def _ensure_loaded(self) -> None:
+        if self._want_entry_points and not self._entry_points_loaded:
+            self._entry_points_loaded = True
+            self._load_entry_points()
+
+    # -- registration ------------------------------------------------------------------
+    def register(self, plugin: Any, name: str | None = None) -> str:
+        """Register a plugin object, or a single :class:`BackendSpec`, programmatically.
+
+        Returns the plugin name. A backend name that is already registered raises
+        :class:`PluginError` naming both sources; nothing is registered then.
+        """
+        with self._lock:
+            self._ensure_loaded()
+            if isinstance(plugin, BackendSpec):
+                plugin = _SpecPlugin(plugin)
+                name = name or plugin.spec.name
+            pname = normalize_name(name) if name else None
+            source = "registered programmatically with moe_dispatch.register()"
+            before = self.snapshot()
+            try:
+                registered = self._pm.register(plugin, name=pname)
+            except ValueError as exc:
+                raise PluginError(f"cannot register plugin {pname or plugin!r}: {exc}") from exc
+            if registered is None:  # pluggy returns None for a blocked name
+                raise PluginError(f"plugin name {pname!r} is blocked")
+            self._sources[registered] = source
+            self._invalidate()
+            new = self._collect_one(registered, plugin)
+            problem = None
+            clash = [] if isinstance(new, PluginFailure) else [
+                (r, o) for r in new for o in before.records if o.name == r.name]
+            if isinstance(new, PluginFailure):
+                problem = f"plugin {registered!r} is invalid: {new.error}"
+            elif clash:
+                rec, other = clash[0]
+                problem = (f"duplicate backend name {rec.name!r}: provided by {other.source} "
+                           f"(plugin {other.plugin!r}) and by {source} (plugin {registered!r})")
+            if problem:
+                self._pm.unregister(name=registered)
+                self._sources.pop(registered, None)
+                self._invalidate()
+                raise PluginError(problem)
+            return registered
+
+    def unregister(self, name: str) -> None:
+        """Remove the plugin with this name, or the plugin providing this backend name."""
+        with self._lock:
+            self._ensure_loaded()
+            key = normalize_name(name)
+            if not self._pm.has_plugin(key):
+                rec = self.snapshot().by_name(key)  # raises UnknownBackendError
+                key = rec.plugin
+            self._pm.unregister(name=key)
+            self._sources.pop(key, None)
+            self._invalidate()
+
+    def reload(self) -> None:
+        """Forget discovered plugins and failures, then discover again (env is re-read)."""
+        with self._lock:
+            for pname in list(self._sources):
+                if self._pm.has_plugin(pname):
+                    self._pm.unregister(name=pname)
+            self._sources.clear()
+            self._load_failures.clear()
+            self._entry_points_loaded = False
+            self._invalidate()
+
+    def _invalidate(self) -> None:
+        self._generation += 1
+        self._snapshot = None
+
+    # -- collection --------------------------------------------------------------------
+    def _collect_one(self, pname: str, plugin: Any) -> list[BackendRecord] | PluginFailure:
+        source = self._sources.get(pname, "unknown source")
+        impls = [i for i in self._pm.hook.moe_dispatch_backends.get_hookimpls()
+                 if i.plugin is plugin]
+        records: list[BackendRecord] = []
+        for impl in impls:
+            try:
+                result = impl.function()
+            except Exception as exc:
+                return PluginFailure(pname, source, f"moe_dispatch_backends() raised "
+                                     f"{type(exc).__name__}: {exc}")
+            if isinstance(result, BackendSpec):
+                result = [result]
+            if not isinstance(result, Iterable) or isinstance(result, (str, bytes)):
+                return PluginFailure(pname, source, "moe_dispatch_backends() must return a list "
+                                     f"of BackendSpec, got {type(result).__name__}")
+            try:
+                items = list(result)
+            except Exception as exc:
+                return PluginFailure(pname, source, f"iterating its backends raised "
+                                     f"{type(exc).__name__}: {exc}")
+            for item in items:
+                if not isinstance(item, BackendSpec):
+                    return PluginFailure(pname, source, "moe_dispatch_backends() returned "
+                                         f"{type(item).__name__} {item!r:.60}, not a BackendSpec")
+                records.append(BackendRecord(item, pname, source))
+        return records
+
+    def snapshot(self) -> RegistrySnapshot:
+        with self._lock:
+            self._ensure_loaded()
+            if self._snapshot is not None:
+                return self._snapshot
+            failures = list(self._load_failures)
+            by_name: dict[str, list[BackendRecord]] = {}
+            for pname, plugin in sorted(self._pm.list_name_plugin(), key=lambda np: np[0]):
+                got = self._collect_one(pname, plugin)
+                if isinstance(got, PluginFailure):
+                    failures.append(got)
+                    self._warn_once(got)
+                    continue
+                for rec in got:
+                    by_name.setdefault(rec.name, []).append(rec)
+            records = []
+            for name, recs in by_name.items():
+                if len(recs) == 1:
+                    records.append(recs[0])
+                    continue
+                # Deterministic and never silent: a contested name is served by nobody.
+                sources = " and ".join(f"{r.source} (plugin {r.plugin!r})" for r in recs)
+                failure = PluginFailure(name, sources, f"duplicate backend name {name!r} "
+                                        f"provided by {sources}; neither is used until one "
+                                        "is removed or disabled")
+                failures.append(failure)
+                self._warn_once(failure)
+            records.sort(key=BackendRecord.sort_key)
+            self._snapshot = RegistrySnapshot(self._generation, tuple(records), tuple(failures))
+            return self._snapshot
+
+    def _warn_once(self, failure: PluginFailure) -> None:
+        key = (failure.plugin, failure.error)
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("moe-dispatch plugin %s (%s) excluded: %s", failure.plugin,
+                        failure.source, failure.error)
+
+
+class _SpecPlugin:
+    """Wraps one BackendSpec given to register() as a plugin."""
+
+    def __init__(self, spec: BackendSpec) -> None:
+        self.spec = spec
+
+    @hookimpl
+    def moe_dispatch_backends(self) -> list[BackendSpec]:
+        return [self.spec]
+
+
+_REGISTRY = Registry()
+
+
+def get_registry() -> Registry:
+    return _REGISTRY

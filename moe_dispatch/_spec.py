@@ -1,0 +1,151 @@
+"""What a backend plugin provides: hook specifications, the record, the backend protocol.
+
+Plugins *return records*; the host validates, sorts and reports them. We never rely on
+pluggy's LIFO call order for priority: ordering is an explicit sort key.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any, Iterable, Protocol, runtime_checkable
+
+import attrs
+import pluggy
+import torch
+
+from ._decision import Decision, accept
+
+if TYPE_CHECKING:
+    from ._capabilities import Capabilities
+    from ._config import MoEConfig
+
+PROJECT = "moe_dispatch"
+ENTRY_POINT_GROUP = "moe_dispatch.backends"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.\-]*$")
+
+
+def normalize_name(name: str) -> str:
+    """Backend names are case-insensitive; ``-`` and ``_`` are the same. Normalised once."""
+    return name.strip().lower().replace("-", "_")
+
+
+@attrs.define(slots=True, eq=False)
+class LayerWeights:
+    """The canonical weights of one layer, as the caller loaded them (never modified).
+
+    ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``w13_bias [E, 2I]``, ``w2_bias [E, H]``.
+    """
+
+    config: "MoEConfig"
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+
+    def tensors(self) -> tuple[tuple[str, torch.Tensor], ...]:
+        named = [("w13", self.w13), ("w2", self.w2), ("w13_bias", self.w13_bias),
+                 ("w2_bias", self.w2_bias)]
+        return tuple((n, t) for n, t in named if t is not None)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.tensors())
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What a backend object implements. Subclass :class:`BackendBase` for defaults."""
+
+    def supports_config(self, config: "MoEConfig", capabilities: "Capabilities") -> Decision:
+        """Can this backend run ``config`` on this machine? Called before weights exist."""
+
+    def supports_layer(self, weights: LayerWeights, capabilities: "Capabilities") -> Decision:
+        """Can it run these actual tensors? Called at ``MoELayer.prepare()``."""
+
+    def process_weights(self, weights: LayerWeights, capabilities: "Capabilities") -> Any:
+        """Build the backend-owned state (copies, prepacked weights). Never mutate ``weights``."""
+
+    def apply(self, state: Any, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """Run the layer. ``hidden_states`` has been validated; ids are in ``[0, E)``."""
+
+
+class BackendBase:
+    """Convenience base: accepts every layer the config check accepted."""
+
+    def supports_layer(self, weights: LayerWeights, capabilities: "Capabilities") -> Decision:
+        return accept()
+
+
+_REQUIRED_METHODS = ("supports_config", "supports_layer", "process_weights", "apply")
+
+
+def _check_name(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"BackendSpec.name must be a str, got {type(value).__name__} {value!r}")
+    if not _NAME_RE.match(value):
+        raise ValueError(f"BackendSpec.name {value!r} must match {_NAME_RE.pattern} "
+                         "after normalisation (lower case, '-' becomes '_')")
+
+
+def _normalize(value: Any) -> Any:
+    return normalize_name(value) if isinstance(value, str) else value
+
+
+def _check_priority(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"BackendSpec.priority must be an int, got {type(value).__name__}")
+
+
+def _check_backend(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    missing = [m for m in _REQUIRED_METHODS if not callable(getattr(value, m, None))]
+    if missing:
+        raise TypeError(f"BackendSpec.backend {type(value).__name__} lacks callable "
+                        f"{', '.join(missing)}")
+
+
+@attrs.frozen(slots=True)
+class BackendSpec:
+    """The record a plugin returns from its ``moe_dispatch_backends`` hook.
+
+    ``priority``: higher runs first. Built-ins use zentorch 400 > amx 300 > onednn 200 >
+    torch 0, leaving room on either side for vendors.
+    """
+
+    name: str = attrs.field(converter=_normalize, validator=_check_name)
+    priority: int = attrs.field(validator=_check_priority)
+    backend: Backend = attrs.field(validator=_check_backend, eq=False)
+    description: str = ""
+    version: str = ""
+
+
+@attrs.frozen(slots=True)
+class BackendRecord:
+    """A validated spec plus where it came from (host-side bookkeeping)."""
+
+    spec: BackendSpec
+    plugin: str  # the pluggy plugin name (the entry point name for discovered plugins)
+    source: str  # human-readable origin: entry point and distribution, or md.register()
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def priority(self) -> int:
+        return self.spec.priority
+
+    def sort_key(self) -> tuple[int, str]:
+        # Explicit order: higher priority first, then name. Never registration order.
+        return (-self.spec.priority, self.spec.name)
+
+
+class BackendHookSpec:
+    """Hook specifications of the ``moe_dispatch`` project."""
+
+    @hookspec
+    def moe_dispatch_backends(self) -> Iterable[BackendSpec]:  # type: ignore[empty-body]
+        """Return the backends this plugin provides (a list of :class:`BackendSpec`)."""

@@ -1,0 +1,77 @@
+"""Boundary checks for weights and forward inputs. O(1) in the data, except the id range."""
+
+from __future__ import annotations
+
+import torch
+
+from ._config import MoEConfig, dtype_name
+from ._errors import InvalidArgumentError, InvalidTypeError
+from ._spec import LayerWeights
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def check_tensor(name: str, value: object, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise InvalidTypeError(name, value, f"a torch.Tensor of shape {shape} and dtype {dtype}")
+    if value.device.type != "cpu":
+        raise InvalidArgumentError(name, value, f"a CPU tensor (got device {value.device})")
+    if tuple(value.shape) != tuple(shape):
+        raise InvalidArgumentError(name, value, f"shape {tuple(shape)}")
+    if value.dtype != dtype:
+        raise InvalidTypeError(name, value, f"dtype {dtype} (the config's dtype)")
+    return value
+
+
+def check_weights(config: MoEConfig, w13: object, w2: object, w13_bias: object,
+                  w2_bias: object) -> LayerWeights:
+    check_tensor("w13", w13, config.w13_shape, config.dtype)
+    check_tensor("w2", w2, config.w2_shape, config.dtype)
+    for name, bias, shape in (("w13_bias", w13_bias, config.w13_bias_shape),
+                              ("w2_bias", w2_bias, config.w2_bias_shape)):
+        if config.has_bias:
+            if bias is None:
+                raise InvalidArgumentError(name, None, f"a tensor of shape {shape}: the config "
+                                           "has has_bias=True")
+            check_tensor(name, bias, shape, config.dtype)
+        elif bias is not None:
+            raise InvalidArgumentError(name, bias, "None: the config has has_bias=False "
+                                       "(build the config with has_bias=True to use biases)")
+    return LayerWeights(config, w13, w2, w13_bias, w2_bias)  # type: ignore[arg-type]
+
+
+def check_forward(config: MoEConfig, hidden_states: object, topk_weights: object,
+                  topk_ids: object) -> int:
+    """Validate forward's arguments; returns T. Raises typed errors naming the argument."""
+    if not isinstance(hidden_states, torch.Tensor):
+        raise InvalidTypeError("hidden_states", hidden_states, "a torch.Tensor [T, H]")
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != config.hidden_size:
+        raise InvalidArgumentError("hidden_states", hidden_states,
+                                   f"a 2-D tensor [T, {config.hidden_size}] (H={config.hidden_size})")
+    if hidden_states.dtype != config.dtype:
+        raise InvalidTypeError("hidden_states", hidden_states,
+                               f"dtype {config.dtype} (the layer's dtype, {dtype_name(config.dtype)})")
+    if hidden_states.device.type != "cpu":
+        raise InvalidArgumentError("hidden_states", hidden_states, "a CPU tensor")
+    tokens = hidden_states.shape[0]
+    shape = (tokens, config.top_k)
+    for name, value in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if not isinstance(value, torch.Tensor):
+            raise InvalidTypeError(name, value, f"a torch.Tensor of shape {shape} [T, top_k]")
+        if tuple(value.shape) != shape:
+            raise InvalidArgumentError(name, value, f"shape {shape} [T, top_k]")
+        if value.device.type != "cpu":
+            raise InvalidArgumentError(name, value, "a CPU tensor")
+    if not topk_weights.is_floating_point():  # type: ignore[union-attr]
+        raise InvalidTypeError("topk_weights", topk_weights, "a floating-point dtype (float32)")
+    if topk_ids.dtype not in _INT_DTYPES:  # type: ignore[union-attr]
+        raise InvalidTypeError("topk_ids", topk_ids, "dtype torch.int32 or torch.int64")
+    if tokens:
+        # One vectorised pass (two reductions) over T*K ids: cheap next to any kernel.
+        lo, hi = torch.aminmax(topk_ids)  # type: ignore[arg-type]
+        lo_i, hi_i = int(lo), int(hi)
+        if lo_i < 0 or hi_i >= config.num_experts:
+            bad = lo_i if lo_i < 0 else hi_i
+            raise InvalidArgumentError("topk_ids", f"a tensor containing {bad}",
+                                       f"expert ids in [0, {config.num_experts}) (E={config.num_experts})")
+    return tokens
