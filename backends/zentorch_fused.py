@@ -19,6 +19,11 @@ makes every trap unreachable:
   **skip_weighted only with top_k == 1**, **gelu_tanh is erf GELU** (accepted for bf16
   only, where the difference is invisible), **swigluoai clamps the gate from below too**
   (likewise bf16 only).
+- **A call in which one expert receives every token is refused** ("requires at least 2
+  active experts": top_k == 1 at T == 1, or E == 1): one zero row routed to another
+  expert is appended and its output dropped; E == 1 is rejected at the config check.
+- **bf16 without AVX512-BF16 is wrong or crashes** (measured on Zen 3: NaN for H >= 1024,
+  garbage for I >= 768, a segfault at H=1024, I=1408): bf16 is gated on avx512_bf16.
 - **The first call packs every expert** (seconds): prepare() runs it.
 """
 
@@ -134,6 +139,13 @@ class ZentorchBackend(md.BackendBase):
         if not caps.is_amd_zen:
             return md.reject(f"zentorch's fused MoE runs on AMD Zen CPUs; this CPU is "
                              f"{caps.cpu_vendor} {caps.cpu_model or '(unknown model)'}".rstrip())
+        if config.dtype == torch.bfloat16 and not caps.avx512_bf16:
+            # Measured on a Zen 3 (AVX2 only) with zentorch 2.13.0.2: bf16 returns NaN or
+            # garbage for H >= 1024 or I >= 768, and segfaults at H=1024, I=1408. A
+            # self-check cannot catch a segfault, so the gate is the exact ISA feature.
+            return md.reject("bfloat16 needs AVX512-BF16, which this CPU lacks (Zen "
+                             f"{caps.zen_generation or '?'}): without it zentorch's bf16 MoE "
+                             "returns wrong numbers or crashes; float32 is accepted")
         if config.dtype == torch.float16 and not caps.avx512_fp16:
             return md.reject("float16 needs avx512fp16, which this CPU lacks; use bfloat16")
         if config.activation is md.Activation.GELU_TANH and config.dtype != torch.bfloat16:
@@ -145,6 +157,9 @@ class ZentorchBackend(md.BackendBase):
                              "clamps only from above, which differs by up to ~5e-5*|up+1| where "
                              f"gate < -7, above {md._config.dtype_name(config.dtype)} tolerance "
                              "(accepted for bfloat16 only)")
+        if config.num_experts < 2:
+            return md.reject("the op needs at least 2 experts (it refuses a call in which a "
+                             "single expert receives every token); num_experts=1")
         if config.apply_router_weight_on_input and config.top_k != 1:
             return md.reject("router weight on input maps to skip_weighted, which the op "
                              "supports only with top_k == 1")
@@ -207,10 +222,21 @@ def run_op(state: ZentorchState, hidden_states: torch.Tensor, topk_weights: torc
     skip = state.config.apply_router_weight_on_input
     if skip:
         x = (x.to(torch.float32) * weights).to(x.dtype)
+    tokens = x.shape[0]
+    if ids.shape[1] == 1:
+        # The op refuses a call where a single expert receives every token ("requires at
+        # least 2 active experts"). Add one zero row routed to another expert and drop its
+        # output: the real rows are computed exactly as before.
+        lo, hi = torch.aminmax(ids)
+        if int(lo) == int(hi):
+            other = (int(lo) + 1) % state.config.num_experts
+            x = torch.cat([x, x.new_zeros(1, x.shape[1])])
+            ids = torch.cat([ids, ids.new_full((1, 1), other)])
+            weights = torch.cat([weights, weights.new_zeros(1, 1)])
     out = torch.empty_like(x)
     torch.ops.zentorch.zentorch_fused_moe(out, x, state.w13, state.w2, state.w13_bias,
                                           state.w2_bias, weights, ids, skip, state.act)
-    return out
+    return out if out.shape[0] == tokens else out[:tokens]
 
 
 def dedupe_rows(ids: torch.Tensor, weights: torch.Tensor, num_experts: int

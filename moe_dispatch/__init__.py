@@ -15,7 +15,7 @@ from ._errors import (BackendRejectedError, InvalidArgumentError, InvalidTypeErr
                       KernelError, LayerStateError, MoEDispatchError, NoBackendError,
                       PluginError, UnknownBackendError, WeightsModifiedError)
 from ._layer import Demotion, MoELayer
-from ._registry import PluginFailure, get_registry
+from ._registry import PluginFailure, Registry, get_registry, use_registry
 from ._resolver import Candidate, Resolution, clear_cache, explain, resolve
 from ._spec import (ENTRY_POINT_GROUP, Backend, BackendBase, BackendSpec, LayerWeights,
                     hookimpl, hookspec)
@@ -54,7 +54,7 @@ __all__ = [
     "Capabilities", "Decision", "Demotion", "ENTRY_POINT_GROUP", "InvalidArgumentError",
     "InvalidTypeError", "KernelError", "LayerStateError", "LayerWeights", "MoEConfig",
     "MoEDispatchError", "MoELayer", "NoBackendError", "PluginError", "PluginFailure",
-    "Resolution", "UnknownBackendError", "WeightsModifiedError", "accept",
+    "Registry", "Resolution", "UnknownBackendError", "WeightsModifiedError", "accept",
     "available_backends", "clear_cache", "explain", "hookimpl", "hookspec", "plugin_failures",
-    "register", "reject", "reload_plugins", "resolve", "select_experts", "unregister",
+    "register", "reject", "reload_plugins", "resolve", "select_experts", "unregister", "use_registry",
 ]

@@ -8,11 +8,13 @@ other plugins down.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata as importlib_metadata
+import itertools
 import logging
 import os
 import threading
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import attrs
 import pluggy
@@ -24,6 +26,9 @@ from ._spec import (ENTRY_POINT_GROUP, PROJECT, BackendHookSpec, BackendRecord, 
 log = logging.getLogger("moe_dispatch")
 
 BUILTIN_DISTRIBUTION = "moe-dispatch"
+
+# Generations are unique across registries, so resolution-cache keys never collide.
+_GENERATIONS = itertools.count(1)
 
 
 def env_names(var: str) -> frozenset[str]:
@@ -73,7 +78,7 @@ class Registry:
         self._load_failures: list[PluginFailure] = []
         self._want_entry_points = load_entry_points
         self._entry_points_loaded = False
-        self._generation = 0
+        self._generation = next(_GENERATIONS)
         self._snapshot: RegistrySnapshot | None = None
         self._warned: set[tuple[str, str]] = set()
 
@@ -141,12 +146,20 @@ class Registry:
         """
         with self._lock:
             self._ensure_loaded()
+            source = "registered programmatically with moe_dispatch.register()"
+            before = self.snapshot()
             if isinstance(plugin, BackendSpec):
+                for other in before.records:
+                    if other.name == plugin.name:
+                        raise PluginError(
+                            f"duplicate backend name {plugin.name!r}: provided by {other.source} "
+                            f"(plugin {other.plugin!r}) and by {source}")
                 plugin = _SpecPlugin(plugin)
                 name = name or plugin.spec.name
             pname = normalize_name(name) if name else None
-            source = "registered programmatically with moe_dispatch.register()"
-            before = self.snapshot()
+            if pname is not None and self._pm.has_plugin(pname):
+                raise PluginError(f"a plugin named {pname!r} is already registered "
+                                  f"({self._sources.get(pname, 'unknown source')})")
             try:
                 registered = self._pm.register(plugin, name=pname)
             except ValueError as exc:
@@ -196,7 +209,7 @@ class Registry:
             self._invalidate()
 
     def _invalidate(self) -> None:
-        self._generation += 1
+        self._generation = next(_GENERATIONS)
         self._snapshot = None
 
     # -- collection --------------------------------------------------------------------
@@ -283,3 +296,14 @@ _REGISTRY = Registry()
 
 def get_registry() -> Registry:
     return _REGISTRY
+
+
+@contextlib.contextmanager
+def use_registry(registry: Registry) -> Iterator[Registry]:
+    """Make ``registry`` the process-wide one for the duration (tests, sandboxes)."""
+    global _REGISTRY
+    previous, _REGISTRY = _REGISTRY, registry
+    try:
+        yield registry
+    finally:
+        _REGISTRY = previous

@@ -46,11 +46,9 @@ def moe_reference(config: MoEConfig, hidden_states: torch.Tensor, w13: torch.Ten
     ``e = topk_ids[t,k]``; with ``apply_router_weight_on_input`` the weight scales ``x``
     instead. Duplicate ids in a row simply contribute twice.
     """
-    x = hidden_states.to(torch.float64)
-    w13d, w2d = w13.to(torch.float64), w2.to(torch.float64)
-    b13 = w13_bias.to(torch.float64) if w13_bias is not None else None
-    b2 = w2_bias.to(torch.float64) if w2_bias is not None else None
-    tw = topk_weights.to(torch.float64)
+    f64 = torch.float64
+    x = hidden_states.to(f64)
+    tw = topk_weights.to(f64)
     ids = topk_ids.to(torch.int64)
     out = torch.zeros(x.shape[0], config.hidden_size, dtype=torch.float64)
     for e in torch.unique(ids).tolist():
@@ -59,12 +57,13 @@ def moe_reference(config: MoEConfig, hidden_states: torch.Tensor, w13: torch.Ten
         xe = x[rows]
         if config.apply_router_weight_on_input:
             xe = xe * weight
-        h = xe @ w13d[e].T
-        if b13 is not None:
-            h = h + b13[e]
-        y = activate(h, config.activation) @ w2d[e].T
-        if b2 is not None:
-            y = y + b2[e]
+        # Convert one expert at a time: a whole model's weights in float64 would not fit.
+        h = xe @ w13[e].to(f64).T
+        if w13_bias is not None:
+            h = h + w13_bias[e].to(f64)
+        y = activate(h, config.activation) @ w2[e].to(f64).T
+        if w2_bias is not None:
+            y = y + w2_bias[e].to(f64)
         if not config.apply_router_weight_on_input:
             y = y * weight
         out.index_add_(0, rows, y)

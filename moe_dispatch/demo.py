@@ -1,0 +1,81 @@
+"""The demo: detect this CPU, explain the choice for a Qwen3-MoE-like layer, run it.
+
+Run with ``python -m moe_dispatch.demo`` (the README's first command does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import torch
+
+import moe_dispatch as md
+from moe_dispatch.reference import moe_reference
+
+# Qwen3-30B-A3B's MoE block: 128 experts, top-8, H=2048, I=768, SiLU, bf16.
+QWEN3_MOE = dict(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_dispatch.demo", description=__doc__)
+    parser.add_argument("--tokens", type=int, default=16, help="tokens in the batch (default 16)")
+    parser.add_argument("--small", action="store_true", help="a small layer (E=16, H=256, I=128)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    caps = md.Capabilities.detect()
+    print("== this machine")
+    print(f"cpu: {caps.cpu_vendor} {caps.cpu_model} (family {caps.cpu_family}, model "
+          f"{caps.cpu_model_id}, Zen {caps.zen_generation or '-'}) arch {caps.arch}")
+    flags = [f for f in ("avx2", "avx512", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_fp16")
+             if getattr(caps, f)]
+    print(f"isa: {', '.join(flags) or 'none of avx2/avx512/amx'}; threads {caps.threads}")
+    print(f"torch {caps.torch_version}; zentorch {caps.zentorch_version or 'not available: ' + str(caps.zentorch_error)}")
+    print(f"backends (priority order): {', '.join(md.available_backends())}")
+    for failure in md.plugin_failures():
+        print(f"plugin failed: {failure.plugin}: {failure.error}")
+
+    shape = dict(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128) if args.small else QWEN3_MOE
+    worst = 0.0
+    for dtype in (torch.bfloat16, torch.float32):
+        worst = max(worst, _run(md.MoEConfig(**shape, dtype=dtype), args.tokens))
+    return 0 if worst < 1.0 else 1
+
+
+def _run(config: md.MoEConfig, tokens: int) -> float:
+    """Explain, prepare and run one layer; returns its error over the tolerance (< 1 is OK)."""
+    print(f"\n== explain (config stage): {config.describe()}")
+    print(md.explain(config))
+    g = torch.Generator().manual_seed(0)
+    h, i = config.hidden_size, config.intermediate_size
+    w13 = (torch.randn(*config.w13_shape, generator=g) * (2 / h ** 0.5)).to(config.dtype)
+    w2 = (torch.randn(*config.w2_shape, generator=g) / i ** 0.5).to(config.dtype)
+    t0 = time.perf_counter()
+    layer = md.MoELayer(config).load_weights(w13, w2).prepare()
+    print(f"\nprepared on backend {layer.backend!r} in {time.perf_counter() - t0:.2f} s "
+          "(load-time packing and self-check included)")
+    x = torch.randn(tokens, h, generator=g).to(config.dtype)
+    topk_weights, topk_ids = md.select_experts(torch.randn(tokens, config.num_experts, generator=g),
+                                               config.top_k)
+    layer(x, topk_weights, topk_ids)  # first call
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        out = layer(x, topk_weights, topk_ids)
+        times.append(time.perf_counter() - t0)
+    ref = moe_reference(config, x, w13, w2, topk_weights, topk_ids)
+    err = float((out.double() - ref).norm() / ref.norm())
+    tol = 1e-2 if config.dtype == torch.bfloat16 else 1e-5
+    times.sort()
+    print(f"forward of {tokens} tokens on {layer.backend!r}: output {tuple(out.shape)} {out.dtype}, "
+          f"median {times[2] * 1e3:.2f} ms over 5 calls")
+    print(f"relative error against the float64 reference: {err:.2e} "
+          f"({'OK' if err < tol else 'TOO LARGE'}; tolerance {tol:g})")
+    print(f"first row, first 6 values: {[round(v, 4) for v in out[0, :6].float().tolist()]}")
+    return err / tol
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

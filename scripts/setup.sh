@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv at the repository root and install moe-dispatch with pinned dependencies.
+# Usage: scripts/setup.sh [extra]   e.g. "test" installs pytest, hypothesis, pytest-benchmark.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+spec="."
+if [ -n "${1:-}" ]; then spec=".[$1]"; fi
+# torch==2.13.0 is the CPU build; zentorch==2.13.0.2 comes with it on x86_64 Linux only.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e "$spec"

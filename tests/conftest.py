@@ -1,0 +1,30 @@
+"""Shared pytest setup: Hypothesis profiles and hardware markers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# CI profile: derandomized (reproducible in CI logs), bounded, no deadline (the shared
+# machines are noisy). "dev" explores more; select with HYPOTHESIS_PROFILE.
+settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True,
+                          print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("dev", max_examples=150, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("quick", max_examples=10, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests start without the library's override variables, whatever the shell has."""
+    for var in ("MOE_DISPATCH_BACKEND", "MOE_DISPATCH_DISABLE", "MOE_DISPATCH_PLUGINS",
+                "MOE_DISPATCH_STRICT", "MOE_DISPATCH_POLICY"):
+        monkeypatch.delenv(var, raising=False)
