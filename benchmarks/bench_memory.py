@@ -1,0 +1,76 @@
+"""Peak memory of MoELayer.prepare() per backend, each in a fresh process.
+
+Usage: .venv/bin/python benchmarks/bench_memory.py [--config C2] [--dtype float32]
+
+Reports, in MiB and as a multiple of the layer's weight bytes: the resident memory added
+by prepare() (what the layer keeps) and the peak during prepare() (transient copies
+included), measured from /proc/self/status after the caller's weights exist. Linux only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+CHILD = r"""
+import gc, json, sys, torch
+import moe_dispatch as md
+sys.path.insert(0, {bench_dir!r})
+from bench_backends import CONFIGS, _weights
+
+def status(key):
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+config = md.MoEConfig(**CONFIGS[{config!r}], dtype=getattr(torch, {dtype!r}))
+w13, w2 = _weights(config)
+nbytes = w13.numel() * w13.element_size() + w2.numel() * w2.element_size()
+md.resolve(config)  # import plugins before the baseline
+gc.collect()
+base = status("VmRSS")
+with open("/proc/self/clear_refs", "w") as fh:  # reset the peak (VmHWM) to the current RSS
+    fh.write("5")
+layer = md.MoELayer(config, backend={backend!r}).load_weights(w13, w2).prepare()
+gc.collect()
+print(json.dumps(dict(backend={backend!r}, weight_bytes=nbytes, kept=status("VmRSS") - base,
+                      peak=status("VmHWM") - base)))
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="C2")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--backends", default=None, help="comma list (default: every accepting backend)")
+    args = p.parse_args(argv)
+    import torch
+    import moe_dispatch as md
+    from bench_backends import CONFIGS
+    config = md.MoEConfig(**CONFIGS[args.config], dtype=getattr(torch, args.dtype))
+    names = args.backends.split(",") if args.backends else [
+        c.name for c in md.resolve(config).candidates if c.decision.accepted]
+    bench_dir = os.path.dirname(os.path.abspath(__file__))
+    print(f"{args.config} {config.describe()}")
+    print(f"{'backend':<10} {'weights MiB':>12} {'kept MiB':>10} {'kept/w':>7} {'peak MiB':>10} {'peak/w':>7}")
+    for name in names:
+        code = CHILD.format(bench_dir=bench_dir, config=args.config, dtype=args.dtype, backend=name)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("{")), None)
+        if line is None:
+            print(f"{name:<10} failed: {out.stderr.strip().splitlines()[-1:]}")
+            continue
+        r = json.loads(line)
+        mib = 1 << 20
+        w = r["weight_bytes"]
+        print(f"{name:<10} {w / mib:>12.0f} {r['kept'] / mib:>10.0f} {r['kept'] / w:>7.2f} "
+              f"{r['peak'] / mib:>10.0f} {r['peak'] / w:>7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    raise SystemExit(main())
