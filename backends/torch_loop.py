@@ -7,7 +7,7 @@ so it costs no memory and is always a safe fallback.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -48,24 +48,46 @@ class TorchLoopBackend(md.BackendBase):
         return moe_loop(state, hidden_states, topk_weights, topk_ids)
 
 
+ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
+
+
 def moe_loop(weights: md.LayerWeights, x: torch.Tensor, topk_weights: torch.Tensor,
              topk_ids: torch.Tensor) -> torch.Tensor:
-    """Group tokens by expert, run each active expert once, scatter-add the weighted rows.
+    """The per-expert loop on the canonical tensors with ``F.linear``."""
+    config = weights.config
+    w13, w2, b13, b2 = weights.w13, weights.w2, weights.w13_bias, weights.w2_bias
+
+    def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
+        h = F.linear(xe, w13[e], b13[e] if b13 is not None else None)
+        return F.linear(gated_activation(h, config.activation), w2[e],
+                        b2[e] if b2 is not None else None)
+
+    return grouped_by_expert(config, x, topk_weights, topk_ids, expert)
+
+
+def grouped_by_expert(config: md.MoEConfig, x: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, expert: ExpertFn) -> torch.Tensor:
+    """Group tokens by expert, run ``expert(e, rows)`` once per active expert, and
+    scatter-add the weighted rows. Shared by every per-expert backend.
 
     Accumulates in float32 and casts back once, so bf16 results round only at the end.
+    With ``apply_router_weight_on_input`` the weight scales the rows before the expert
+    and is not applied again on the way out.
     """
-    config = weights.config
     tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1).to(torch.int64)
     flat_w = topk_weights.reshape(-1).to(torch.float32)
-    order = torch.argsort(flat_ids, stable=True)
+    if flat_ids.numel() == 1:  # decode with top-1: skip the sort
+        order = torch.zeros(1, dtype=torch.int64)
+    else:
+        order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=config.num_experts).tolist()
     token_of = order // top_k
     sorted_w = flat_w[order]
     out = torch.zeros(tokens, config.hidden_size, dtype=torch.float32)
     on_input = config.apply_router_weight_on_input
     start = 0
-    for expert, count in enumerate(counts):
+    for e, count in enumerate(counts):
         if count == 0:
             continue
         rows = token_of[start:start + count]
@@ -74,11 +96,7 @@ def moe_loop(weights: md.LayerWeights, x: torch.Tensor, topk_weights: torch.Tens
         xe = x[rows]
         if on_input:
             xe = (xe.to(torch.float32) * w).to(x.dtype)
-        b13 = weights.w13_bias[expert] if weights.w13_bias is not None else None
-        b2 = weights.w2_bias[expert] if weights.w2_bias is not None else None
-        h = F.linear(xe, weights.w13[expert], b13)
-        y = F.linear(gated_activation(h, config.activation), weights.w2[expert], b2)
-        y = y.to(torch.float32)
+        y = expert(e, xe).to(torch.float32)
         out.index_add_(0, rows, y if on_input else y * w)
     return out.to(x.dtype)
 

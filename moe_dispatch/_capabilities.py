@@ -21,6 +21,7 @@ PROBED_OPS: tuple[str, ...] = (
     "mkldnn::_reorder_linear_weight",
     "mkldnn::_linear_pointwise",
     "mkldnn::_linear_pointwise.binary",
+    "aten::_grouped_mm",
 )
 
 
@@ -50,6 +51,7 @@ class Capabilities:
     amx_tile: bool = False
     amx_bf16: bool = False
     amx_fp16: bool = False
+    mkldnn: bool = False  # torch was built with oneDNN and can use it here
     threads: int = 1
     torch_version: str = torch.__version__
     zentorch_version: str | None = None
@@ -73,7 +75,7 @@ class Capabilities:
     def fingerprint(self) -> str:
         """A short stable string naming this machine's relevant capabilities."""
         flags = [f for f in ("avx2", "avx512", "avx512_bf16", "avx512_fp16", "amx_tile",
-                             "amx_bf16", "amx_fp16") if getattr(self, f)]
+                             "amx_bf16", "amx_fp16", "mkldnn") if getattr(self, f)]
         zen = f"zen{self.zen_generation}" if self.zen_generation else "-"
         return (f"{self.cpu_vendor}/{zen}/{self.arch}/{'+'.join(flags) or 'none'}/"
                 f"torch{self.torch_version}/zentorch{self.zentorch_version or '-'}")
@@ -205,6 +207,7 @@ def _detect() -> Capabilities:
         amx_tile=_torch_probe("_is_amx_tile_supported"),
         amx_bf16="amx_bf16" in flags,
         amx_fp16=_torch_probe("_is_amx_fp16_supported"),
+        mkldnn=bool(torch.backends.mkldnn.is_available()),
         threads=torch.get_num_threads(),
         torch_version=torch.__version__,
         zentorch_version=zentorch_version,
@@ -214,7 +217,7 @@ def _detect() -> Capabilities:
 
 
 def _preset_table() -> dict[str, Capabilities]:
-    sw: dict[str, Any] = dict(threads=2, torch_version=torch.__version__)
+    sw: dict[str, Any] = dict(threads=2, torch_version=torch.__version__, mkldnn=True)
     spr = Capabilities(cpu_vendor="Intel", cpu_model="Intel(R) Xeon(R) Platinum 8480+",
                        arch="x86_64", cpu_family=6, cpu_model_id=0x8F, avx2=True, avx512=True,
                        avx512_bf16=True, avx512_fp16=True, amx_tile=True, amx_bf16=True, **sw)

@@ -12,7 +12,8 @@ import moe_dispatch as md
 
 DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 VENDORS = ("AMD", "Intel", "ARM", "unknown")
-FLAGS = ("avx2", "avx512", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
+FLAGS = ("avx2", "avx512", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16",
+         "mkldnn")
 
 
 @st.composite

@@ -1,0 +1,93 @@
+"""The oneDNN backend: a per-expert loop over weights prepacked once into oneDNN's layout.
+
+``prepare()`` reorders each expert's ``w13[e]`` and ``w2[e]`` with
+``torch.ops.mkldnn._reorder_linear_weight`` into opaque blocked tensors the backend owns;
+``apply`` runs ``torch.ops.mkldnn._linear_pointwise`` per active expert. The caller's
+tensors are read once and never written.
+
+Fused post-ops (``"swish"`` on the gate GEMM and ``_linear_pointwise.binary(..., "mul")``
+on the up GEMM) were measured side by side against one joined GEMM plus the activation in
+torch, fp32 on Zen 3, H=2048, I=768: no gain at any M (1: 0.457 vs 0.403 ms; 64: 4.80 vs
+4.29; 512: 26.2 vs 23.2), so the backend uses the joined GEMM, which also serves
+``swigluoai``'s interleaved layout unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+import moe_dispatch as md
+from moe_dispatch_backends.torch_loop import gated_activation, grouped_by_expert
+
+NAME = "onednn"
+PRIORITY = 200
+
+# The op signatures this backend calls (torch 2.13), checked at detection time.
+EXPECTED_SCHEMAS = {
+    "mkldnn::_reorder_linear_weight": "mkldnn::_reorder_linear_weight(Tensor self, int? batch_size=None) -> Tensor Y",
+    "mkldnn::_linear_pointwise": "mkldnn::_linear_pointwise(Tensor X, Tensor W, Tensor? B, str attr, Scalar?[] scalars, str? algorithm) -> Tensor Y",
+}
+
+
+@attrs.frozen(slots=True, eq=False)
+class OneDNNState:
+    config: md.MoEConfig
+    w13: tuple[torch.Tensor, ...]  # per expert, opaque mkldnn blocked layout [2I, H]
+    w2: tuple[torch.Tensor, ...]  # per expert, [H, I]
+    b13: torch.Tensor | None  # private contiguous copies
+    b2: torch.Tensor | None
+
+
+class OneDNNBackend(md.BackendBase):
+    def supports_config(self, config: md.MoEConfig, capabilities: md.Capabilities) -> md.Decision:
+        caps = capabilities
+        if not caps.mkldnn:
+            return md.reject("torch cannot use oneDNN (mkldnn) on this machine")
+        for op, want in EXPECTED_SCHEMAS.items():
+            got = caps.op_schema(op)
+            if got is None:
+                return md.reject(f"torch {caps.torch_version} has no op {op}")
+            if got != want:
+                return md.reject(f"{op} has a different signature than this backend was written "
+                                 f"for: expected {want!r}, found {got!r}")
+        if config.dtype == torch.bfloat16 and not (caps.avx512_bf16 or caps.amx_tile):
+            return md.reject("bfloat16 through oneDNN needs AVX512-BF16 or AMX, which this CPU "
+                             "lacks (the reorder refuses it, or it runs emulated)")
+        if config.dtype == torch.float16:
+            return md.reject("float16 through oneDNN is not validated by this backend; use "
+                             "bfloat16 or float32")
+        return md.accept(f"oneDNN prepacked per-expert GEMMs ({md._config.dtype_name(config.dtype)})")
+
+    def process_weights(self, weights: md.LayerWeights, capabilities: md.Capabilities) -> OneDNNState:
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+        e = weights.config.num_experts
+        # contiguous() makes a temporary copy only where the caller's expert slice is strided.
+        w13 = tuple(reorder(weights.w13[i].contiguous(), None) for i in range(e))
+        w2 = tuple(reorder(weights.w2[i].contiguous(), None) for i in range(e))
+        b13 = weights.w13_bias.clone(memory_format=torch.contiguous_format) if weights.w13_bias is not None else None
+        b2 = weights.w2_bias.clone(memory_format=torch.contiguous_format) if weights.w2_bias is not None else None
+        return OneDNNState(weights.config, w13, w2, b13, b2)
+
+    def apply(self, state: OneDNNState, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        linear = torch.ops.mkldnn._linear_pointwise
+        act = state.config.activation
+        b13, b2 = state.b13, state.b2
+
+        def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
+            h = linear(xe.contiguous(), state.w13[e], b13[e] if b13 is not None else None,
+                       "none", [], "")
+            a = gated_activation(h, act).contiguous()
+            return linear(a, state.w2[e], b2[e] if b2 is not None else None, "none", [], "")
+
+        return grouped_by_expert(state.config, hidden_states, topk_weights, topk_ids, expert)
+
+
+@md.hookimpl
+def moe_dispatch_backends() -> list[md.BackendSpec]:
+    return [md.BackendSpec(NAME, PRIORITY, OneDNNBackend(),
+                           description="oneDNN prepacked per-expert GEMMs",
+                           version=torch.__version__)]
