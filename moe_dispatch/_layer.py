@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, Iterable
+import weakref
+from typing import Any, Callable, Iterable
 
 import attrs
 import torch
@@ -21,6 +22,10 @@ from ._spec import LayerWeights
 from ._validation import check_forward, check_weights
 
 log = logging.getLogger("moe_dispatch")
+
+
+def _strong(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: t
 
 
 def _env_flag(name: str) -> bool:
@@ -45,11 +50,17 @@ class MoELayer(torch.nn.Module):
 
     ``strict`` (or env ``MOE_DISPATCH_STRICT=1``): a kernel that fails at run time raises
     :class:`KernelError` instead of falling back to the next accepting backend.
+
+    ``keep_canonical`` (default True): the layer keeps references to the caller's
+    canonical tensors after ``prepare()``, so a fallback backend can be prepared from
+    intact weights. With False it keeps only weak references: once the caller drops its
+    tensors, only the backend's own copy remains (less memory) and a failing kernel
+    raises :class:`KernelError` instead of falling back.
     """
 
     def __init__(self, config: MoEConfig, *, backend: str | None = None,
                  exclude: Iterable[str] = (), capabilities: Capabilities | None = None,
-                 strict: bool | None = None) -> None:
+                 strict: bool | None = None, keep_canonical: bool = True) -> None:
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise InvalidTypeError("config", config, "a moe_dispatch.MoEConfig")
@@ -58,11 +69,15 @@ class MoELayer(torch.nn.Module):
         self._exclude = tuple(exclude) if not isinstance(exclude, str) else (exclude,)
         self._capabilities = capabilities
         self.strict = _env_flag("MOE_DISPATCH_STRICT") if strict is None else bool(strict)
+        self.keep_canonical = bool(keep_canonical)
         # Resolve now: a bad forced name or an unsupported config fails at construction.
         self._config_resolution: Resolution = resolve(
             config, backend=backend, exclude=self._exclude, capabilities=capabilities)
         self._weights: LayerWeights | None = None
-        self._versions: tuple[tuple[str, torch.Tensor, int], ...] = ()
+        self._weak_weights: tuple[tuple[str, Callable[[], torch.Tensor | None]], ...] | None = None
+        # (name, reference to the tensor, version at prepare); the reference is weak when
+        # keep_canonical is False.
+        self._versions: tuple[tuple[str, Callable[[], torch.Tensor | None], int], ...] = ()
         self._resolution: Resolution | None = None
         self._active: tuple[BackendRecord, Any] | None = None
         self._demotions: list[Demotion] = []
@@ -80,11 +95,24 @@ class MoELayer(torch.nn.Module):
         weights = check_weights(self.config, w13, w2, w13_bias, w2_bias)
         with self._lock:
             self._weights = weights
+            self._weak_weights = None
             self._active = None
             self._resolution = None
             self._versions = ()
             self._demotions.clear()
         return self
+
+    def _canonical(self) -> LayerWeights | None:
+        """The canonical weights if they are still alive (always, with keep_canonical)."""
+        if self._weights is not None:
+            return self._weights
+        refs = self._weak_weights
+        if refs is None:
+            return None
+        tensors = {name: ref() for name, ref in refs}
+        if any(t is None for t in tensors.values()):
+            return None
+        return LayerWeights(self.config, **tensors)  # type: ignore[arg-type]
 
     def prepare(self) -> "MoELayer":
         """Layer-level checks, the final backend choice, and the backend's weight processing.
@@ -92,10 +120,14 @@ class MoELayer(torch.nn.Module):
         Calling it again rebuilds from the current weights (after an in-place update).
         """
         with self._lock:
-            if self._weights is None:
+            weights = self._canonical()
+            if weights is None:
+                if self._weak_weights is not None:
+                    raise LayerStateError("prepare() needs the canonical weights, but this layer "
+                                          "was built with keep_canonical=False and the caller "
+                                          "has released them: load_weights() again")
                 raise LayerStateError("prepare() called before load_weights(): load the "
                                       "canonical weights first")
-            weights = self._weights
             demoted = {d.backend for d in self._demotions}
             res = self._config_resolution
             if demoted:
@@ -110,7 +142,12 @@ class MoELayer(torch.nn.Module):
             final, rec, state = resolve_layer(res, weights, build, strict=self.strict)
             self._resolution = self._annotate(final)
             self._active = (rec, state)
-            self._versions = tuple((n, t, t._version) for n, t in weights.tensors())
+            if self.keep_canonical:
+                self._versions = tuple((n, _strong(t), t._version) for n, t in weights.tensors())
+            else:
+                self._versions = tuple((n, weakref.ref(t), t._version) for n, t in weights.tensors())
+                self._weak_weights = tuple((n, weakref.ref(t)) for n, t in weights.tensors())
+                self._weights = None
         return self
 
     def _annotate(self, res: Resolution) -> Resolution:
@@ -157,8 +194,9 @@ class MoELayer(torch.nn.Module):
         if active is None:
             raise LayerStateError("forward() called before prepare(): call "
                                   "load_weights(...) and prepare() first")
-        for name, tensor, version in self._versions:
-            if tensor._version != version:
+        for name, ref, version in self._versions:
+            tensor = ref()
+            if tensor is not None and tensor._version != version:
                 raise WeightsModifiedError(
                     f"{name} was modified in place after prepare() (version {version} -> "
                     f"{tensor._version}); backend {active[0].name!r} holds a copy built from "
@@ -183,6 +221,10 @@ class MoELayer(torch.nn.Module):
         if self._backend_arg is not None or os.environ.get("MOE_DISPATCH_BACKEND"):
             raise KernelError(f"forced backend {rec.name!r} failed at run time ({error}); a "
                               "forced backend never falls back") from exc
+        if self._canonical() is None:
+            raise KernelError(f"backend {rec.name!r} failed at run time ({error}) and no fallback "
+                              "is possible: the layer was built with keep_canonical=False and "
+                              "the canonical weights are gone") from exc
         with self._lock:
             active = self._active
             if active is not None and active[0].name == rec.name:
