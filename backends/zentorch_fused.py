@@ -52,6 +52,13 @@ EXPECTED_ARGS: tuple[tuple[str, str], ...] = (
     ("act", "str"),
 )
 
+# The full schema of zentorch 2.13.0.2, for simulated machines (docs, tests).
+EXPECTED_SCHEMA = (
+    "zentorch::zentorch_fused_moe(Tensor(a!) output, Tensor input, Tensor w13, Tensor w2, "
+    "Tensor? w13_bias, Tensor? w2_bias, Tensor topk_weights, Tensor topk_id, bool skip_weighted, "
+    "str act, Tensor? w13_scales=None, Tensor? w2_scales=None, *, "
+    "str zentorch_op_name=\"zentorch::zentorch_fused_moe\") -> ()")
+
 # Tolerance of the warm-up self-check (relative Frobenius error against a float32 loop).
 SELF_CHECK_TOL = {torch.bfloat16: 3e-2, torch.float32: 1e-4, torch.float16: 1e-2}
 

@@ -1,0 +1,3 @@
+from moe_dispatch.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,95 @@
+"""Side-by-side timing of backends on one layer (used by the CLI and benchmarks/)."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Callable, Iterable, TextIO
+
+import torch
+
+from ._config import MoEConfig
+from ._errors import MoEDispatchError
+from ._layer import MoELayer
+from ._resolver import resolve
+from .routing import select_experts
+
+Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def random_weights(config: MoEConfig, seed: int = 0) -> dict[str, torch.Tensor | None]:
+    """Random weights scaled so activations stay O(1) (never zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    h, i = config.hidden_size, config.intermediate_size
+    out: dict[str, torch.Tensor | None] = {
+        "w13": (torch.randn(*config.w13_shape, generator=g) * (2 / h ** 0.5)).to(config.dtype),
+        "w2": (torch.randn(*config.w2_shape, generator=g) / i ** 0.5).to(config.dtype),
+        "w13_bias": None, "w2_bias": None}
+    if config.has_bias:
+        out["w13_bias"] = (torch.randn(*config.w13_bias_shape, generator=g) * 0.1).to(config.dtype)
+        out["w2_bias"] = (torch.randn(*config.w2_bias_shape, generator=g) * 0.1).to(config.dtype)
+    return out
+
+
+def random_inputs(config: MoEConfig, tokens: int, pool: int = 4, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(pool):
+        x = torch.randn(tokens, config.hidden_size, generator=g).to(config.dtype)
+        tw, ids = select_experts(torch.randn(tokens, config.num_experts, generator=g), config.top_k)
+        out.append((x, tw, ids))
+    return out
+
+
+def prepared_layers(config: MoEConfig, weights: dict, backends: Iterable[str] | None = None,
+                    log: TextIO | None = None) -> dict[str, MoELayer]:
+    """One prepared layer per accepting backend (or per named backend)."""
+    res = resolve(config)
+    names = list(backends) if backends is not None else [
+        c.name for c in res.candidates if c.decision.accepted]
+    layers = {}
+    for name in names:
+        try:
+            layers[name] = MoELayer(config, backend=name).load_weights(**weights).prepare()
+        except MoEDispatchError as exc:
+            if log is not None:
+                print(f"  {name}: skipped ({exc})", file=log)
+    return layers
+
+
+def time_side_by_side(fns: dict[str, Runner], inputs: list, reps: int, warmup: int = 2
+                      ) -> dict[str, float]:
+    """Median ms per call; candidates are called round-robin so noise hits all alike."""
+    for fn in fns.values():
+        for i in range(warmup):
+            fn(*inputs[i % len(inputs)])
+    samples: dict[str, list[float]] = {n: [] for n in fns}
+    for rep in range(reps):
+        args = inputs[rep % len(inputs)]
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn(*args)
+            samples[name].append(time.perf_counter() - t0)
+    return {n: statistics.median(v) * 1e3 for n, v in samples.items()}
+
+
+def bench_grid(config: MoEConfig, tokens: list[int], reps: int = 10,
+               backends: Iterable[str] | None = None, progress: TextIO | None = sys.stderr
+               ) -> list[dict]:
+    """Time every accepting backend at each token count. Rows: tokens, backend, median_ms,
+    ratio (to the fastest at that T), chosen (the resolver's pick)."""
+    chosen = resolve(config).backend
+    t0 = time.perf_counter()
+    layers = prepared_layers(config, random_weights(config), backends, progress)
+    rows = []
+    for n, t in enumerate(tokens, 1):
+        if progress is not None and time.perf_counter() - t0 > 1.0:
+            print(f"  [{n}/{len(tokens)}] T={t} ...", file=progress, flush=True)
+        med = time_side_by_side(dict(layers), random_inputs(config, t),
+                                reps if t <= 128 else max(3, reps // 2))
+        best = min(med.values())
+        for name, ms in med.items():
+            rows.append(dict(tokens=t, backend=name, median_ms=ms, ratio=ms / best,
+                             chosen=name == chosen))
+    return rows
