@@ -1,0 +1,1 @@
+"""Example third-party moe-dispatch backend (see backend.py)."""

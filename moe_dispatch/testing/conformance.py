@@ -1,0 +1,124 @@
+"""Conformance tests for one moe-dispatch backend (the ``moe_backend`` fixture names it).
+
+    pytest --pyargs moe_dispatch.testing.conformance --moe-backend=NAME
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
+
+import moe_dispatch as md
+from moe_dispatch._bench import random_inputs, random_weights
+from moe_dispatch._matrix import MACHINES, machine
+from moe_dispatch.reference import moe_reference
+from moe_dispatch.testing import TOLERANCE, machines_for, rel_error
+
+_SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
+                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def moe_backend() -> str:
+    # Replaced by the plugin's parametrisation when --moe-backend is given.
+    pytest.skip("no backend named: pass --moe-backend=NAME")
+
+
+@pytest.fixture(scope="module")
+def backend_machines(moe_backend: str) -> list[md.Capabilities]:
+    if moe_backend not in md.available_backends():
+        pytest.fail(f"backend {moe_backend!r} is not registered: {md.available_backends()}")
+    found = machines_for(moe_backend)
+    if not found:
+        pytest.fail(f"backend {moe_backend!r} accepts no config on this machine or any simulated one")
+    return found
+
+
+@pytest.fixture(scope="module")
+def backend_kinds(moe_backend: str, backend_machines: list[md.Capabilities]) -> list[tuple]:
+    """The (dtype, activation) pairs the backend accepts on its machines: drawing only
+    those keeps Hypothesis from discarding most examples."""
+    kinds = []
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        for act in md.Activation:
+            if _accepting(moe_backend, md.MoEConfig(8, 2, 64, 32, activation=act, dtype=dtype),
+                          backend_machines) is not None:
+                kinds.append((dtype, act))
+    return kinds
+
+
+def layers(kinds: list[tuple]) -> st.SearchStrategy[dict]:
+    return st.tuples(st.sampled_from(kinds), st.builds(
+        dict,
+        num_experts=st.integers(2, 16), top_k=st.integers(1, 4),
+        hidden_size=st.sampled_from((32, 64, 96)), intermediate_size=st.sampled_from((32, 64)),
+        has_bias=st.booleans(), on_input=st.booleans(), tokens=st.sampled_from((1, 3, 17, 70)),
+        seed=st.integers(0, 10_000))).map(lambda t: {**t[1], "dtype": t[0][0], "activation": t[0][1]})
+
+
+def _config(d: dict) -> md.MoEConfig:
+    top_k = 1 if d["on_input"] else min(d["top_k"], d["num_experts"])
+    return md.MoEConfig(d["num_experts"], top_k, d["hidden_size"], d["intermediate_size"],
+                        activation=d["activation"], dtype=d["dtype"], has_bias=d["has_bias"],
+                        apply_router_weight_on_input=d["on_input"])
+
+
+def _accepting(name: str, config: md.MoEConfig, caps_list: list[md.Capabilities]):
+    rec = md.get_registry().snapshot().by_name(name)
+    return next((c for c in caps_list if md._resolver.call_check(
+        rec, "supports_config", config, c).accepted), None)
+
+
+@_SETTINGS
+@given(draw=st.data())
+def test_parity_with_reference(moe_backend, backend_machines, backend_kinds, draw):
+    data = draw.draw(layers(backend_kinds))
+    config = _config(data)
+    caps = _accepting(moe_backend, config, backend_machines)
+    assume(caps is not None)
+    w = random_weights(config, data["seed"])
+    x, tw, ids = random_inputs(config, data["tokens"], pool=1, seed=data["seed"])[0]
+    layer = md.MoELayer(config, backend=moe_backend, capabilities=caps).load_weights(**w).prepare()
+    out = layer(x, tw, ids)
+    assert out.shape == x.shape and out.dtype == config.dtype
+    want = moe_reference(config, x, w["w13"], w["w2"], tw, ids, w["w13_bias"], w["w2_bias"])
+    assert rel_error(out, want) <= TOLERANCE[config.dtype], config.describe()
+
+
+@_SETTINGS
+@given(draw=st.data())
+def test_weight_ownership(moe_backend, backend_machines, backend_kinds, draw):
+    data = draw.draw(layers(backend_kinds))
+    config = _config(data)
+    caps = _accepting(moe_backend, config, backend_machines)
+    assume(caps is not None)
+    w = random_weights(config, data["seed"])
+    saved = {k: v.clone() for k, v in w.items() if v is not None}
+    layer = md.MoELayer(config, backend=moe_backend, capabilities=caps).load_weights(**w).prepare()
+    for x, tw, ids in random_inputs(config, data["tokens"], pool=3, seed=data["seed"]):
+        layer(x, tw, ids)
+    for k, v in saved.items():
+        assert torch.equal(w[k].view(torch.uint8), v.view(torch.uint8)), f"{k} was modified"
+
+
+_ANY = [(d, a) for d in (torch.bfloat16, torch.float32, torch.float16) for a in md.Activation]
+
+
+@_SETTINGS
+@given(data=layers(_ANY), machine_name=st.sampled_from(MACHINES))
+def test_gate_consistency(moe_backend, backend_machines, data, machine_name):
+    """supports_config answers with a Decision, deterministically, rejections carry a
+    reason, and the resolver never picks the backend where its gate rejects."""
+    config = _config(data)
+    caps = machine(machine_name)
+    rec = md.get_registry().snapshot().by_name(moe_backend)
+    first = rec.spec.backend.supports_config(config, caps)
+    assert isinstance(first, md.Decision)
+    assert rec.spec.backend.supports_config(config, caps) == first
+    if not first.accepted:
+        assert first.reason.strip()
+        with pytest.raises(md.BackendRejectedError):
+            md.resolve(config, backend=moe_backend, capabilities=caps)
+    else:
+        assert md.resolve(config, backend=moe_backend, capabilities=caps).backend == moe_backend
