@@ -14,6 +14,7 @@ from ._decision import Decision, accept, reject
 from ._errors import (BackendRejectedError, InvalidArgumentError, InvalidTypeError,
                       KernelError, LayerStateError, MoEDispatchError, NoBackendError,
                       PluginError, UnknownBackendError, WeightsModifiedError)
+from ._compile import moe_experts
 from ._layer import Demotion, MoELayer
 from ._registry import PluginFailure, Registry, get_registry, use_registry
 from ._resolver import Candidate, Resolution, clear_cache, explain, resolve
@@ -55,6 +56,6 @@ __all__ = [
     "InvalidTypeError", "KernelError", "LayerStateError", "LayerWeights", "MoEConfig",
     "MoEDispatchError", "MoELayer", "NoBackendError", "PluginError", "PluginFailure",
     "Registry", "Resolution", "UnknownBackendError", "WeightsModifiedError", "accept",
-    "available_backends", "clear_cache", "explain", "hookimpl", "hookspec", "plugin_failures",
+    "available_backends", "clear_cache", "moe_experts", "explain", "hookimpl", "hookspec", "plugin_failures",
     "register", "reject", "reload_plugins", "resolve", "select_experts", "unregister", "use_registry",
 ]

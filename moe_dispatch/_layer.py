@@ -14,10 +14,12 @@ import torch
 from ._capabilities import Capabilities
 from ._config import MoEConfig
 from ._decision import reject
-from ._errors import (InvalidTypeError, KernelError, LayerStateError, MoEDispatchError,
+from ._errors import (InvalidArgumentError, InvalidTypeError, KernelError, LayerStateError, MoEDispatchError,
                       NoBackendError, WeightsModifiedError)
 from ._registry import BackendRecord
-from ._resolver import DEMOTED, Resolution, resolve, resolve_layer
+from ._resolver import DEMOTED, STANDBY, CHOSEN, Resolution, call_check, resolve, resolve_layer
+from ._compile import register_layer
+from ._tuning import POLICIES, TuningCache, bucket_index, bucket_sizes, measure, tuning_key
 from ._spec import LayerWeights
 from ._validation import check_forward, check_weights
 
@@ -56,11 +58,22 @@ class MoELayer(torch.nn.Module):
     intact weights. With False it keeps only weak references: once the caller drops its
     tensors, only the backend's own copy remains (less memory) and a failing kernel
     raises :class:`KernelError` instead of falling back.
+
+    ``policy`` (or env ``MOE_DISPATCH_POLICY``): ``"priority"`` (default) runs the resolver's
+    choice; ``"fastest"`` times the accepting backends at ``prepare()`` per power-of-two
+    token bucket (up to ``tune_max_tokens``, within ``tune_budget_s``) and runs each bucket's
+    winner. It keeps the prepared state of every backend that wins a bucket, so memory grows
+    with the number of distinct winners; ``max_candidates`` caps how many backends are tried.
+    Tuned tables persist in ``tuning_cache`` (default: env ``MOE_DISPATCH_TUNING_CACHE`` or
+    ``~/.cache/moe-dispatch/tuning.json``; ``False`` disables persistence).
     """
 
     def __init__(self, config: MoEConfig, *, backend: str | None = None,
                  exclude: Iterable[str] = (), capabilities: Capabilities | None = None,
-                 strict: bool | None = None, keep_canonical: bool = True) -> None:
+                 strict: bool | None = None, keep_canonical: bool = True,
+                 policy: str | None = None, max_candidates: int | None = None,
+                 tune_max_tokens: int = 512, tune_budget_s: float = 60.0,
+                 tuning_cache: str | os.PathLike | bool | None = None) -> None:
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise InvalidTypeError("config", config, "a moe_dispatch.MoEConfig")
@@ -70,6 +83,19 @@ class MoELayer(torch.nn.Module):
         self._capabilities = capabilities
         self.strict = _env_flag("MOE_DISPATCH_STRICT") if strict is None else bool(strict)
         self.keep_canonical = bool(keep_canonical)
+        policy = policy if policy is not None else (os.environ.get("MOE_DISPATCH_POLICY") or "priority")
+        if policy not in POLICIES:
+            raise InvalidArgumentError("policy", policy, f"one of {POLICIES}")
+        self.policy = policy
+        if max_candidates is not None and (not isinstance(max_candidates, int) or max_candidates < 1):
+            raise InvalidArgumentError("max_candidates", max_candidates, "a positive int or None")
+        if not isinstance(tune_max_tokens, int) or tune_max_tokens < 1:
+            raise InvalidArgumentError("tune_max_tokens", tune_max_tokens, "a positive int")
+        self._tuning = dict(max_candidates=max_candidates, cap=tune_max_tokens,
+                            budget=float(tune_budget_s), cache=tuning_cache)
+        # policy="fastest": (record, state) per bucket; None under policy="priority".
+        self._table: list[tuple[BackendRecord, Any]] | None = None
+        self._tuned: dict[int, dict[str, float]] | None = None
         # Resolve now: a bad forced name or an unsupported config fails at construction.
         self._config_resolution: Resolution = resolve(
             config, backend=backend, exclude=self._exclude, capabilities=capabilities)
@@ -82,6 +108,7 @@ class MoELayer(torch.nn.Module):
         self._active: tuple[BackendRecord, Any] | None = None
         self._demotions: list[Demotion] = []
         self._lock = threading.RLock()
+        self._handle = register_layer(self)
 
     # -- loading -------------------------------------------------------------------
     def load_weights(self, w13: torch.Tensor, w2: torch.Tensor,
@@ -142,6 +169,9 @@ class MoELayer(torch.nn.Module):
             final, rec, state = resolve_layer(res, weights, build, strict=self.strict)
             self._resolution = self._annotate(final)
             self._active = (rec, state)
+            self._table = self._tuned = None
+            if self.policy == "fastest" and res.forced is None and not self._demotions:
+                self._tune(final, rec, state, weights, build)
             if self.keep_canonical:
                 self._versions = tuple((n, _strong(t), t._version) for n, t in weights.tensors())
             else:
@@ -149,6 +179,45 @@ class MoELayer(torch.nn.Module):
                 self._weak_weights = tuple((n, weakref.ref(t)) for n, t in weights.tensors())
                 self._weights = None
         return self
+
+    def _tune(self, final: Resolution, rec: BackendRecord, state: Any, weights: LayerWeights,
+              build: Callable[[BackendRecord], Any]) -> None:
+        """policy="fastest": prepare the other accepting backends, time them per bucket (or
+        read the tuned table from the cache), and keep only the winners' states."""
+        from ._registry import get_registry
+        snap = get_registry().snapshot()
+        caps = final.capabilities
+        prepared: dict[str, tuple[BackendRecord, Any]] = {rec.name: (rec, state)}
+        limit = self._tuning["max_candidates"]
+        for cand in final.candidates:
+            if limit is not None and len(prepared) >= limit:
+                break
+            if cand.name in prepared or cand.status not in (STANDBY, CHOSEN):
+                continue
+            other = snap.by_name(cand.name)
+            if not call_check(other, "supports_layer", weights, caps).accepted:
+                continue
+            try:
+                prepared[other.name] = (other, build(other))
+            except Exception as exc:  # a candidate that cannot prepare is simply not tuned
+                log.warning("moe-dispatch: %r could not be prepared for tuning (%s)", other.name, exc)
+        sizes = bucket_sizes(self._tuning["cap"])
+        names = sorted(prepared)
+        cache_opt = self._tuning["cache"]
+        cache = None if cache_opt is False else TuningCache(None if cache_opt in (None, True) else cache_opt)
+        key = tuning_key(self.config, caps, {n: prepared[n][0].spec.version for n in names})
+        table = cache.get(key, names, sizes) if cache is not None else None
+        timings: dict[int, dict[str, float]] = {}
+        if table is None:
+            runners = {n: (lambda x, tw, ids, _r=prepared[n]: _r[0].spec.backend.apply(_r[1], x, tw, ids))
+                       for n in names}
+            table, timings = measure(runners, self.config, sizes, self._tuning["budget"], rec.name)
+            if cache is not None:
+                cache.put(key, table, timings, self.config)
+        self._table = [prepared[table[t]] for t in sizes]
+        self._tuned = {t: {"winner": table[t], **timings.get(t, {})} for t in sizes}  # type: ignore[dict-item]
+        # Keep only the winners' prepared states (memory): the others are dropped here.
+        prepared.clear()
 
     def _annotate(self, res: Resolution) -> Resolution:
         if not self._demotions:
@@ -182,7 +251,18 @@ class MoELayer(torch.nn.Module):
         text = self.resolution.explain()
         if not self.prepared:
             text += "\n(config stage only: call prepare() for the layer-level decision)"
+        if self._tuned:
+            lines = ["", "policy=fastest, tuned per token bucket (T <= bucket):"]
+            for t, row in self._tuned.items():
+                times = ", ".join(f"{n} {ms:.3f} ms" for n, ms in row.items() if n != "winner")
+                lines.append(f"  T<={t:<5} {row['winner']:<12} {('(' + times + ')') if times else '(from the tuning cache)'}")
+            text += "\n".join(lines)
         return text
+
+    @property
+    def tuned_table(self) -> dict[int, str] | None:
+        """bucket size -> backend under policy="fastest" (None under "priority")."""
+        return {t: row["winner"] for t, row in self._tuned.items()} if self._tuned else None  # type: ignore[misc]
 
     def extra_repr(self) -> str:
         return f"{self.config.describe()}, backend={self.backend!r}, prepared={self.prepared}"
@@ -190,6 +270,14 @@ class MoELayer(torch.nn.Module):
     # -- running -------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # One opaque custom op in the graph; its real kernel is _forward_eager.
+            return torch.ops.moe_dispatch.moe_forward(hidden_states, topk_weights, topk_ids,
+                                                      self._handle)
+        return self._forward_eager(hidden_states, topk_weights, topk_ids)
+
+    def _forward_eager(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor) -> torch.Tensor:
         active = self._active
         if active is None:
             raise LayerStateError("forward() called before prepare(): call "
@@ -204,7 +292,8 @@ class MoELayer(torch.nn.Module):
         tokens = check_forward(self.config, hidden_states, topk_weights, topk_ids)
         if tokens == 0:
             return hidden_states.new_empty((0, self.config.hidden_size))
-        rec, state = active
+        table = self._table
+        rec, state = active if table is None else table[bucket_index(tokens, len(table))]
         try:
             return rec.spec.backend.apply(state, hidden_states, topk_weights, topk_ids)
         except MoEDispatchError:
@@ -227,12 +316,15 @@ class MoELayer(torch.nn.Module):
                               "the canonical weights are gone") from exc
         with self._lock:
             active = self._active
-            if active is not None and active[0].name == rec.name:
+            in_use = active is not None and (active[0].name == rec.name or any(
+                r.name == rec.name for r, _ in (self._table or ())))
+            if in_use:
                 log.warning("moe-dispatch: backend %r failed at run time on %s (%s); it is "
                             "demoted for this layer and the next accepting backend takes over",
                             rec.name, self.config.describe(), error)
                 self._demotions.append(Demotion(rec.name, error))
                 self._active = None
+                self._table = self._tuned = None  # back to the priority path for this layer
                 try:
                     self.prepare()
                 except (NoBackendError, MoEDispatchError) as exc2:
@@ -240,4 +332,4 @@ class MoELayer(torch.nn.Module):
                                       f"fallback accepts this layer: {exc2}") from exc
             active = self._active
         assert active is not None
-        return self.forward(hidden_states, topk_weights, topk_ids)
+        return self._forward_eager(hidden_states, topk_weights, topk_ids)

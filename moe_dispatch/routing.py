@@ -42,7 +42,8 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring: str = "s
         raise InvalidArgumentError("routed_scaling_factor", routed_scaling_factor,
                                    "a positive finite number")
     logits = router_logits.to(torch.float32)
-    if num_tokens and bool(torch.isnan(logits).any()):
+    # The NaN check is a data-dependent branch: skipped while torch.compile traces.
+    if num_tokens and not torch.compiler.is_compiling() and bool(torch.isnan(logits).any()):
         raise InvalidArgumentError("router_logits", "a tensor containing NaN",
                                    "finite logits (NaN would route tokens arbitrarily)")
     scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)

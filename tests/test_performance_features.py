@@ -1,0 +1,113 @@
+"""policy="fastest" (autotuning with a persistent, validated cache) and torch.compile."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import moe_dispatch as md
+from helpers import TOLERANCE, random_routing, random_weights, reference, rel_error
+from moe_dispatch._tuning import bucket_index, bucket_sizes
+
+CFG = md.MoEConfig(8, 2, 64, 32, dtype=torch.float32)
+
+
+def test_buckets_and_lookup():
+    assert bucket_sizes(512) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert bucket_sizes(100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    n = 10
+    assert [bucket_index(t, n) for t in (1, 2, 3, 4, 5, 512, 513, 10_000)] == [0, 1, 2, 2, 3, 9, 9, 9]
+
+
+def test_policy_argument_and_env_validated(monkeypatch):
+    with pytest.raises(md.InvalidArgumentError, match="policy='fast'"):
+        md.MoELayer(CFG, policy="fast")
+    monkeypatch.setenv("MOE_DISPATCH_POLICY", "fastest")
+    assert md.MoELayer(CFG).policy == "fastest"
+    monkeypatch.delenv("MOE_DISPATCH_POLICY")
+    assert md.MoELayer(CFG).policy == "priority"
+
+
+def test_fastest_tunes_persists_and_stays_correct(tmp_path):
+    cache = tmp_path / "tuning.json"
+    w = random_weights(CFG)
+    layer = md.MoELayer(CFG, policy="fastest", tune_max_tokens=16, tuning_cache=cache)
+    layer.load_weights(**w).prepare()
+    table = layer.tuned_table
+    assert sorted(table) == [1, 2, 4, 8, 16]
+    accepting = {c.name for c in md.resolve(CFG).candidates if c.decision.accepted}
+    assert set(table.values()) <= accepting
+    assert "policy=fastest" in layer.explain()
+    for t in (1, 3, 16, 40):  # 40 > cap: the last bucket's winner
+        x, tw, ids = random_routing(CFG, t, seed=t)
+        assert rel_error(layer(x, tw, ids), reference(CFG, w, x, tw, ids)) <= TOLERANCE[torch.float32]
+    data = json.loads(cache.read_text())
+    assert data["version"] == 1 and len(data["entries"]) == 1
+    entry = next(iter(data["entries"].values()))
+    assert {int(k) for k in entry["buckets"]} == {1, 2, 4, 8, 16}
+    # A second layer reads the cache instead of timing again.
+    again = md.MoELayer(CFG, policy="fastest", tune_max_tokens=16, tuning_cache=cache)
+    again.load_weights(**w).prepare()
+    assert again.tuned_table == table and "from the tuning cache" in again.explain()
+
+
+@pytest.mark.parametrize("content", ["{not json", "[]", '{"version": 99, "entries": {}}',
+                                     '{"version": 1, "entries": {"KEY": {"buckets": {"1": "no_such_backend"}}}}'])
+def test_corrupt_or_stale_cache_is_ignored_with_warning(tmp_path, content, caplog):
+    cache = tmp_path / "tuning.json"
+    if "KEY" in content:  # a stale entry under the real key
+        probe = md.MoELayer(CFG, policy="fastest", tune_max_tokens=2, tuning_cache=cache)
+        probe.load_weights(**random_weights(CFG)).prepare()
+        key = next(iter(json.loads(cache.read_text())["entries"]))
+        content = content.replace("KEY", key)
+    cache.write_text(content)
+    with caplog.at_level(logging.WARNING, logger="moe_dispatch"):
+        layer = md.MoELayer(CFG, policy="fastest", tune_max_tokens=2, tuning_cache=cache)
+        layer.load_weights(**random_weights(CFG)).prepare()
+    assert layer.tuned_table is not None
+    assert any("tuning cache" in r.message for r in caplog.records if r.levelno == logging.WARNING)
+    assert json.loads(cache.read_text())["version"] == 1  # rewritten as valid data
+
+
+def test_max_candidates_caps_the_tuned_set(tmp_path):
+    layer = md.MoELayer(CFG, policy="fastest", tune_max_tokens=2, max_candidates=1, tuning_cache=False)
+    layer.load_weights(**random_weights(CFG)).prepare()
+    assert set(layer.tuned_table.values()) == {layer.backend}
+
+
+def test_forced_backend_is_not_tuned():
+    layer = md.MoELayer(CFG, backend="torch", policy="fastest", tuning_cache=False)
+    layer.load_weights(**random_weights(CFG)).prepare()
+    assert layer.tuned_table is None
+
+
+@pytest.mark.parametrize("backend", [c.name for c in md.resolve(CFG).candidates if c.decision.accepted])
+def test_torch_compile_fullgraph_matches_eager(backend):
+    torch._dynamo.reset()
+    w = random_weights(CFG)
+    layer = md.MoELayer(CFG, backend=backend).load_weights(**w).prepare()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    for t in (5, 9):
+        x, tw, ids = random_routing(CFG, t, seed=t)
+        assert torch.equal(compiled(x, tw, ids), layer(x, tw, ids))
+
+    def block(x, logits):
+        tw, ids = md.select_experts(logits, CFG.top_k)
+        return md.moe_experts(layer, x * 2, tw, ids) + 1
+
+    fn = torch.compile(block, fullgraph=True, backend="aot_eager")
+    x, logits = torch.randn(6, 64), torch.randn(6, 8)
+    assert rel_error(fn(x, logits), block(x, logits)) <= 1e-6
+
+
+def test_torch_compile_inductor_once():
+    """The default inductor backend too (slower to compile: one small case)."""
+    torch._dynamo.reset()
+    w = random_weights(CFG)
+    layer = md.MoELayer(CFG).load_weights(**w).prepare()
+    compiled = torch.compile(layer, fullgraph=True)
+    x, tw, ids = random_routing(CFG, 7)
+    assert torch.equal(compiled(x, tw, ids), layer(x, tw, ids))
