@@ -38,6 +38,7 @@ import attrs
 import torch
 
 import moe_dispatch as md
+from moe_dispatch._validation import has_duplicate_in_row, id_range
 from moe_dispatch_backends.torch_loop import moe_loop
 
 NAME = "zentorch"
@@ -227,10 +228,8 @@ def run_op(state: ZentorchState, hidden_states: torch.Tensor, topk_weights: torc
     """Call the op with every argument in the form it needs (T > 0, ids in range)."""
     ids = topk_ids.to(torch.int32).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
-    if ids.shape[1] > 1:
-        ordered = ids.sort(dim=1).values
-        if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
-            ids, weights = dedupe_rows(ids, weights, state.config.num_experts)
+    if has_duplicate_in_row(ids):
+        ids, weights = dedupe_rows(ids, weights, state.config.num_experts)
     x = hidden_states.contiguous()
     skip = state.config.apply_router_weight_on_input
     if skip:
@@ -240,9 +239,9 @@ def run_op(state: ZentorchState, hidden_states: torch.Tensor, topk_weights: torc
         # The op refuses a call where a single expert receives every token ("requires at
         # least 2 active experts"). Add one zero row routed to another expert and drop its
         # output: the real rows are computed exactly as before.
-        lo, hi = torch.aminmax(ids)
-        if int(lo) == int(hi):
-            other = (int(lo) + 1) % state.config.num_experts
+        lo, hi = id_range(ids)
+        if lo == hi:
+            other = (lo + 1) % state.config.num_experts
             x = torch.cat([x, x.new_zeros(1, x.shape[1])])
             ids = torch.cat([ids, ids.new_full((1, 1), other)])
             weights = torch.cat([weights, weights.new_zeros(1, 1)])

@@ -52,6 +52,22 @@ def to_dtype(value: Any) -> torch.dtype:
         "dtype", value, "torch.bfloat16, torch.float32 or torch.float16")
 
 
+PLACEMENTS = ("contiguous", "round_robin")
+
+
+def expert_placement(num_experts: int, ep_size: int, placement: str) -> list[tuple[int, ...]]:
+    """The global expert ids of every rank."""
+    if placement == "round_robin":
+        return [tuple(range(r, num_experts, ep_size)) for r in range(ep_size)]
+    base, extra = divmod(num_experts, ep_size)
+    out, start = [], 0
+    for r in range(ep_size):
+        n = base + (1 if r < extra else 0)
+        out.append(tuple(range(start, start + n)))
+        start += n
+    return out
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -86,8 +102,20 @@ class MoEConfig:
     dtype: torch.dtype = attrs.field(default=torch.bfloat16, converter=to_dtype)
     has_bias: bool = attrs.field(default=False, validator=_strict_bool)
     apply_router_weight_on_input: bool = attrs.field(default=False, validator=_strict_bool)
+    # Expert parallelism: num_experts is the global count; this rank holds a subset.
+    ep_size: int = attrs.field(default=1, validator=_positive_int)
+    ep_rank: int = attrs.field(default=0)
+    placement: str = attrs.field(default="contiguous")
 
     def __attrs_post_init__(self) -> None:
+        if not isinstance(self.ep_rank, int) or isinstance(self.ep_rank, bool) or not (
+                0 <= self.ep_rank < self.ep_size):
+            raise InvalidArgumentError("ep_rank", self.ep_rank, f"an int in [0, ep_size={self.ep_size})")
+        if self.ep_size > self.num_experts:
+            raise InvalidArgumentError("ep_size", self.ep_size,
+                                       f"<= num_experts ({self.num_experts}): every rank holds an expert")
+        if self.placement not in PLACEMENTS:
+            raise InvalidArgumentError("placement", self.placement, f"one of {PLACEMENTS}")
         if self.top_k > self.num_experts:
             raise InvalidArgumentError(
                 "top_k", self.top_k, f"1 <= top_k <= num_experts ({self.num_experts})")
@@ -97,22 +125,52 @@ class MoEConfig:
                 f"False when top_k > 1 (top_k={self.top_k}): scaling the input by one "
                 "router weight is only defined for top_k == 1")
 
-    # Shapes of the canonical weight layout (nn.Linear row-major).
+    # -- expert parallelism ------------------------------------------------------------
+    @property
+    def is_expert_parallel(self) -> bool:
+        return self.ep_size > 1
+
+    @property
+    def local_expert_ids(self) -> tuple[int, ...]:
+        """Global ids of this rank's experts, in local order.
+
+        ``contiguous``: rank r holds a block; the first ``E % ep_size`` ranks hold one more.
+        ``round_robin``: rank r holds experts r, r + ep_size, r + 2 ep_size, ...
+        """
+        return expert_placement(self.num_experts, self.ep_size, self.placement)[self.ep_rank]
+
+    @property
+    def num_local_experts(self) -> int:
+        return len(self.local_expert_ids)
+
+    def expert_map(self) -> torch.Tensor:
+        """int64 ``[E]``: global id -> local index on this rank, or -1 (vLLM's expert_map)."""
+        out = torch.full((self.num_experts,), -1, dtype=torch.int64)
+        out[list(self.local_expert_ids)] = torch.arange(self.num_local_experts)
+        return out
+
+    def local_config(self) -> "MoEConfig":
+        """What this rank computes: its experts, one (token, slot) pair per row (top_k=1)."""
+        return MoEConfig(self.num_local_experts, 1, self.hidden_size, self.intermediate_size,
+                         activation=self.activation, dtype=self.dtype, has_bias=self.has_bias,
+                         apply_router_weight_on_input=self.apply_router_weight_on_input)
+
+    # Shapes of the canonical weight layout (nn.Linear row-major); local experts only.
     @property
     def w13_shape(self) -> tuple[int, int, int]:
-        return (self.num_experts, 2 * self.intermediate_size, self.hidden_size)
+        return (self.num_local_experts, 2 * self.intermediate_size, self.hidden_size)
 
     @property
     def w2_shape(self) -> tuple[int, int, int]:
-        return (self.num_experts, self.hidden_size, self.intermediate_size)
+        return (self.num_local_experts, self.hidden_size, self.intermediate_size)
 
     @property
     def w13_bias_shape(self) -> tuple[int, int]:
-        return (self.num_experts, 2 * self.intermediate_size)
+        return (self.num_local_experts, 2 * self.intermediate_size)
 
     @property
     def w2_bias_shape(self) -> tuple[int, int]:
-        return (self.num_experts, self.hidden_size)
+        return (self.num_local_experts, self.hidden_size)
 
     def describe(self) -> str:
         """A one-line summary used in logs and explanations."""
@@ -121,6 +179,8 @@ class MoEConfig:
             flags.append("bias")
         if self.apply_router_weight_on_input:
             flags.append("router-weight-on-input")
+        if self.is_expert_parallel:
+            flags.append(f"ep rank {self.ep_rank}/{self.ep_size} {self.placement}")
         extra = (", " + ", ".join(flags)) if flags else ""
         return (f"E={self.num_experts} top_k={self.top_k} H={self.hidden_size} "
                 f"I={self.intermediate_size} {self.activation.value} "

@@ -166,6 +166,14 @@ def resolve(config: MoEConfig, *, backend: str | None = None, exclude: Iterable[
     if capabilities is not None and not isinstance(capabilities, Capabilities):
         raise InvalidTypeError("capabilities", capabilities, "a moe_dispatch.Capabilities or None")
     caps = capabilities if capabilities is not None else Capabilities.detect()
+    if config.is_expert_parallel:
+        # Each rank resolves its own local config; -1 ids never reach a kernel (the layer
+        # remaps global ids and keeps only this rank's (token, slot) pairs).
+        local = resolve(config.local_config(), backend=backend, exclude=exclude, capabilities=caps)
+        note = (f"expert parallel: rank {config.ep_rank} of {config.ep_size} ({config.placement}), "
+                f"local experts {_ranges(config.local_expert_ids)} of {config.num_experts}; "
+                "resolved for the local config")
+        return attrs.evolve(local, notes=local.notes + (note,))
     forced = _forced_name(backend)
     by_arg, by_env = _exclusion_sets(exclude)
     snap = get_registry().snapshot()
@@ -227,6 +235,18 @@ def _resolve(config: MoEConfig, caps: Capabilities, forced: str | None, by_arg: 
     if chosen is None:
         raise NoBackendError(f"no backend accepts {config.describe()}:\n" + format_table(res))
     return res
+
+
+def _ranges(ids: tuple[int, ...]) -> str:
+    """(0, 1, 2, 5) -> "0-2, 5"."""
+    out, start = [], None
+    for i, e in enumerate(ids):
+        if start is None:
+            start = e
+        if i + 1 == len(ids) or ids[i + 1] != e + 1:
+            out.append(f"{start}-{e}" if e != start else f"{e}")
+            start = None
+    return ", ".join(out)
 
 
 def _failure_hint(failures: tuple[PluginFailure, ...]) -> str:

@@ -1,0 +1,147 @@
+"""The performance report: backends, policies, raw kernels, overhead, regret, ceilings.
+
+Usage:
+    .venv/bin/python benchmarks/bench_perf.py [--dtype float32] [--reps 11] [--markdown out.md]
+
+All timings are medians of round-robin calls in one process (fresh routing per call from a
+pool), so the machine's noise hits every candidate alike. Per grid point it reports:
+- every accepting built-in backend through MoELayer (policy="priority", forced);
+- the layer with policy="priority" (the resolver's choice) and policy="fastest" (tuned);
+- the raw zentorch op on the prepared weights, and the overhead ratio layer / raw;
+- regret: each policy's time over the fastest backend's;
+- decode bandwidth (active expert bytes / time) and prefill GFLOP/s against this machine's
+  ceilings measured in the same run (a large matmul, a large tensor read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import moe_dispatch as md
+from moe_dispatch._bench import random_inputs, random_weights, time_side_by_side
+
+CONFIGS = {
+    "C2": dict(num_experts=64, top_k=8, hidden_size=2048, intermediate_size=768),
+    "C1": dict(num_experts=8, top_k=2, hidden_size=1024, intermediate_size=1408),
+}
+TOKENS = (1, 8, 128, 512)
+BUILTINS = ("zentorch", "amx_grouped", "onednn", "torch")
+
+
+def ceilings(dtype: torch.dtype) -> dict[str, float]:
+    n = 2048
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    for _ in range(2):
+        a @ b
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ b
+        ts.append(time.perf_counter() - t0)
+    gflops = 2 * n ** 3 / statistics.median(ts) / 1e9
+    big = torch.randn(256 * 1024 * 1024 // 4)  # 1 GiB fp32
+    big.sum()
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        big.sum()
+        ts.append(time.perf_counter() - t0)
+    return {"matmul_gflops": gflops, "read_gbs": big.numel() * 4 / statistics.median(ts) / 1e9}
+
+
+def raw_zentorch(layer: md.MoELayer):
+    state = layer._active[1]
+
+    def run(x, tw, ids):
+        out = torch.empty_like(x)
+        torch.ops.zentorch.zentorch_fused_moe(out, x, state.w13, state.w2, None, None, tw, ids,
+                                              False, state.act)
+        return out
+    return run
+
+
+def overhead(layer: md.MoELayer, raw, config: md.MoEConfig, reps: int = 200) -> float:
+    """Median over paired calls of (layer time / raw time) at T=1, interleaved."""
+    inputs = random_inputs(config, 1, pool=8, seed=99)
+    ratios = []
+    for i in range(reps):
+        x, tw, ids = inputs[i % len(inputs)]
+        t0 = time.perf_counter()
+        raw(x, tw, ids)
+        t1 = time.perf_counter()
+        layer(x, tw, ids)
+        t2 = time.perf_counter()
+        ratios.append((t2 - t1) / (t1 - t0))
+    return statistics.median(ratios)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--reps", type=int, default=11)
+    p.add_argument("--markdown", help="also write the tables here")
+    args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    caps = md.Capabilities.detect()
+    ceil = ceilings(dtype)
+    lines = [f"machine: {caps.fingerprint()} ({caps.cpu_model}), {torch.get_num_threads()} threads, {args.dtype}",
+             f"ceilings measured in this run: {args.dtype} 2048^3 matmul {ceil['matmul_gflops']:.0f} GFLOP/s; "
+             f"1 GiB fp32 read {ceil['read_gbs']:.1f} GB/s", ""]
+    for cname, shape in CONFIGS.items():
+        config = md.MoEConfig(**shape, dtype=dtype)
+        w = random_weights(config)
+        res = md.resolve(config)
+        backends = [c.name for c in res.candidates if c.decision.accepted and c.name in BUILTINS]
+        t0 = time.perf_counter()
+        fns = {b: md.MoELayer(config, backend=b).load_weights(**w).prepare() for b in backends}
+        fns["policy=priority"] = md.MoELayer(config).load_weights(**w).prepare()
+        fns["policy=fastest"] = md.MoELayer(config, policy="fastest", exclude=[
+            n for n in md.available_backends() if n not in BUILTINS], tuning_cache=False).load_weights(**w).prepare()
+        if "zentorch" in backends:
+            fns["raw:zentorch op"] = raw_zentorch(fns["zentorch"])
+        print(f"{cname} prepared in {time.perf_counter() - t0:.1f} s (tuning included)", file=sys.stderr)
+        tuned = fns["policy=fastest"].tuned_table
+        lines.append(f"### {cname}: {config.describe()}")
+        lines.append("")
+        lines.append(f"priority choice: `{res.backend}`; tuned table: "
+                     + ", ".join(f"T<={t}: {n}" for t, n in tuned.items()))
+        lines.append("")
+        head = ["T"] + list(fns) + ["regret priority", "regret fastest", "decode GB/s", "GFLOP/s"]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + " ---: |" * len(head))
+        bytes_per_expert = 3 * config.hidden_size * config.intermediate_size * w["w13"].element_size()
+        for tokens in TOKENS:
+            med = time_side_by_side(dict(fns), random_inputs(config, tokens),
+                                    args.reps if tokens <= 128 else max(5, args.reps // 2))
+            best = min(med[b] for b in backends)
+            prio, fast = med["policy=priority"] / best, med["policy=fastest"] / best
+            _, ids = random_inputs(config, tokens, pool=1)[0][1:]
+            active = len(torch.unique(ids))
+            chosen_ms = med["policy=priority"]
+            gbs = active * bytes_per_expert / (chosen_ms / 1e3) / 1e9
+            gflops = 2 * tokens * config.top_k * 3 * config.hidden_size * config.intermediate_size / (chosen_ms / 1e3) / 1e9
+            row = [str(tokens)] + [f"{med[n]:.2f}" for n in fns] + [f"{prio:.3f}", f"{fast:.3f}",
+                                                                 f"{gbs:.1f}", f"{gflops:.0f}"]
+            lines.append("| " + " | ".join(row) + " |")
+            print(f"  {cname} T={tokens} done", file=sys.stderr)
+        lines.append("")
+        if "zentorch" in backends:
+            ov = overhead(fns["policy=priority"], fns["raw:zentorch op"], config)
+            lines.append(f"overhead at T=1 (median of 200 interleaved pairs, MoELayer.forward / raw "
+                         f"zentorch op): **{ov:.3f}**")
+            lines.append("")
+    text = "\n".join(lines)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
