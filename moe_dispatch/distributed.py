@@ -1,0 +1,99 @@
+"""Expert parallelism over ``torch.distributed``: each rank computes its local experts, then
+an all-reduce sums the partial outputs.
+
+Every step that can fail on one rank (config checks, weight loading, input validation) is
+followed by a collective agreement: a one-element status all-reduce, so that an error on
+any rank becomes an error on **every** rank instead of a hang in the next collective. No
+Python objects cross ranks (tensors only: nothing is pickled).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._config import MoEConfig
+from ._errors import MoEDispatchError
+from ._layer import MoELayer
+
+
+class ExpertParallelError(MoEDispatchError, RuntimeError):
+    """A step failed on one or more ranks; raised on every rank."""
+
+
+def _agree(error: BaseException | None, group: Any, what: str) -> None:
+    """All ranks learn which ranks failed ``what``; every rank raises if any did."""
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    flags = torch.zeros(world, dtype=torch.int32)
+    if error is not None:
+        flags[rank] = 1
+    dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
+    failed = [r for r in range(world) if flags[r]]
+    if failed:
+        mine = f": {error}" if error is not None else ""
+        raise ExpertParallelError(f"{what} failed on rank(s) {failed} (this is rank {rank}){mine}") \
+            from error
+
+
+def _check_consistent(config: MoEConfig, group: Any) -> None:
+    """Every rank has the same global layer, ep_size equals the group size, ranks match."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    problem = None
+    if config.ep_size != world:
+        problem = f"config.ep_size={config.ep_size} but the process group has {world} ranks"
+    elif config.ep_rank != rank:
+        problem = f"config.ep_rank={config.ep_rank} but this process is rank {rank}"
+    fields = torch.tensor([config.num_experts, config.top_k, config.hidden_size,
+                           config.intermediate_size, config.ep_size, int(config.has_bias),
+                           int(config.apply_router_weight_on_input)], dtype=torch.int64)
+    lo, hi = fields.clone(), fields.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    if problem is None and not torch.equal(lo, hi):
+        names = ["num_experts", "top_k", "hidden_size", "intermediate_size", "ep_size",
+                 "has_bias", "apply_router_weight_on_input"]
+        diff = [n for n, a, b in zip(names, lo.tolist(), hi.tolist()) if a != b]
+        problem = f"ranks disagree on {', '.join(diff)}"
+    _agree(ExpertParallelError(problem) if problem else None, group, "the expert-parallel config check")
+
+
+def setup_expert_parallel(config: MoEConfig, w13: torch.Tensor, w2: torch.Tensor,
+                          w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                          *, group: Any = None, **layer_kwargs: Any) -> MoELayer:
+    """Build, load and prepare this rank's layer (local experts' weights only).
+
+    Collective: every rank of ``group`` must call it. Raises on every rank if the ranks
+    disagree on the layer, if ``ep_size``/``ep_rank`` do not match the group, or if any
+    rank's weights are wrong.
+    """
+    _check_consistent(config, group)
+    layer, error = None, None
+    try:
+        layer = MoELayer(config, **layer_kwargs).load_weights(w13, w2, w13_bias, w2_bias).prepare()
+    except MoEDispatchError as exc:
+        error = exc
+    _agree(error, group, "loading and preparing the local experts")
+    assert layer is not None
+    return layer
+
+
+def ep_forward(layer: MoELayer, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor, *, group: Any = None) -> torch.Tensor:
+    """The whole expert-parallel step: local partial sum, then an all-reduce (in float32).
+
+    Collective: every rank calls it with the same tokens and routing (global ids). An input
+    error on any rank raises on every rank.
+    """
+    partial, error = None, None
+    try:
+        partial = layer(hidden_states, topk_weights, topk_ids)
+    except MoEDispatchError as exc:
+        error = exc
+    _agree(error, group, "the expert-parallel forward")
+    assert partial is not None
+    total = partial.to(torch.float32)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total.to(hidden_states.dtype)

@@ -1,0 +1,119 @@
+"""Expert parallelism: configs and placement here; 2- and 4-rank gloo runs in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import moe_dispatch as md
+import ep_workers
+from helpers import TOLERANCE, random_routing, random_weights, reference, rel_error
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, world, tmp_path):
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=fn, args=(r, world, port, str(tmp_path))) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a rank hung"
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.parametrize("experts,world,placement,want", [
+    (10, 4, "contiguous", [(0, 1, 2), (3, 4, 5), (6, 7), (8, 9)]),
+    (10, 4, "round_robin", [(0, 4, 8), (1, 5, 9), (2, 6), (3, 7)]),
+    (8, 2, "contiguous", [(0, 1, 2, 3), (4, 5, 6, 7)]),
+])
+def test_placement(experts, world, placement, want):
+    got = [md.MoEConfig(experts, 2, 8, 8, ep_size=world, ep_rank=r, placement=placement).local_expert_ids
+           for r in range(world)]
+    assert got == want
+    c = md.MoEConfig(experts, 2, 8, 8, ep_size=world, ep_rank=1, placement=placement)
+    emap = c.expert_map()
+    assert [int(emap[e]) for e in want[1]] == list(range(len(want[1])))
+    assert int((emap >= 0).sum()) == len(want[1])
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(ep_size=4, ep_rank=4), "ep_rank"), (dict(ep_size=4, ep_rank=-1), "ep_rank"),
+    (dict(ep_size=9), "ep_size"), (dict(ep_size=2, placement="random"), "placement"),
+    (dict(ep_size=0), "ep_size"),
+])
+def test_bad_ep_fields(kwargs, field):
+    with pytest.raises(md.MoEDispatchError) as err:
+        md.MoEConfig(8, 2, 8, 8, **kwargs)
+    assert field in str(err.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_process_sum_of_ranks_matches(dtype):
+    full = md.MoEConfig(10, 4, 64, 32, dtype=dtype, has_bias=True)
+    w = random_weights(full)
+    x, tw, ids = random_routing(full, 11)
+    total = torch.zeros(11, 64, dtype=torch.float64)
+    for r in range(3):
+        cfg = md.MoEConfig(10, 4, 64, 32, dtype=dtype, has_bias=True, ep_size=3, ep_rank=r)
+        sel = list(cfg.local_expert_ids)
+        layer = md.MoELayer(cfg).load_weights(*(w[k][sel] for k in ("w13", "w2", "w13_bias", "w2_bias"))).prepare()
+        assert layer.backend == md.resolve(cfg.local_config()).backend
+        assert f"rank {r} of 3" in layer.explain()
+        total += layer(x, tw, ids).double()
+    assert rel_error(total, reference(full, w, x, tw, ids)) <= TOLERANCE[dtype]
+    # A token whose experts all live elsewhere gets zeros on this rank.
+    cfg = md.MoEConfig(10, 4, 64, 32, dtype=dtype, has_bias=True, ep_size=3, ep_rank=2)
+    sel = list(cfg.local_expert_ids)
+    layer = md.MoELayer(cfg).load_weights(*(w[k][sel] for k in ("w13", "w2", "w13_bias", "w2_bias"))).prepare()
+    remote = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+    assert torch.equal(layer(x[:1], tw[:1], remote), torch.zeros(1, 64, dtype=dtype))
+    with pytest.raises(md.InvalidArgumentError, match="topk_ids"):
+        layer(x[:1], tw[:1], remote + 7)  # 10 is owned by no rank
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_ranks_match_single_process_and_reference(world, tmp_path):
+    results = _spawn(ep_workers.parity_worker, world, tmp_path)
+    for r, res in enumerate(results):
+        assert "error" not in res, res.get("error")
+    for key in results[0]:
+        dtype_name, bias, placement = key.split("-")
+        dtype = getattr(torch, dtype_name)
+        outs = [torch.load(tmp_path / f"{key}-rank{r}.pt", weights_only=True) for r in range(world)]
+        assert all(torch.equal(o, outs[0]) for o in outs)  # the all-reduce gives every rank the sum
+        w, x, tw, ids = ep_workers._model(dtype, bias == "True")
+        config = md.MoEConfig(10, 4, 64, 32, dtype=dtype, has_bias=bias == "True")
+        single = md.MoELayer(config).load_weights(**w).prepare()(x, tw, ids)
+        ref = reference(config, w, x, tw, ids)
+        assert rel_error(outs[0], ref) <= TOLERANCE[dtype], key
+        assert rel_error(outs[0], single) <= TOLERANCE[dtype], key
+        owned = sorted(e for r in range(world) for e in results[r][key]["local"])
+        assert owned == list(range(10))  # 10 experts over 2 or 4 ranks, uneven for 4
+        for r in range(world):
+            assert results[r][key]["backend"] == results[r][key]["expected"]
+            assert results[r][key]["explain_has_rank"]
+
+
+def test_errors_reach_every_rank_without_hanging(tmp_path):
+    results = _spawn(ep_workers.error_worker, 2, tmp_path)
+    for r, seen in enumerate(results):
+        assert "topk_ids" in seen["unowned_id"] and "rank(s) [0, 1]" in seen["unowned_id"], seen
+        assert "rank(s) [1]" in seen["wrong_shape"], seen
+        assert "rank(s) [0, 1]" in seen["ep_size"] or "rank(s) [0]" in seen["ep_size"], seen
+        assert seen["after"] == "ok"
+    assert "w13" in results[1]["wrong_shape"]
+    assert "ep_size" in results[0]["ep_size"]
