@@ -145,7 +145,7 @@ def _qwen(k: _Keys, family: str, dtype: torch.dtype) -> ModelMoE:
     n = int(k.need("num_hidden_layers"))
     step = int(k.get("decoder_sparse_step", 1))
     skip = tuple(k.get("mlp_only_layers", []))
-    config = MoEConfig(int(k.need("num_experts")), int(k.need("num_experts_per_tok")),
+    config = MoEConfig(int(k.need("num_experts", "num_local_experts")), int(k.need("num_experts_per_tok")),
                        int(k.need("hidden_size")), int(k.need("moe_intermediate_size")),
                        activation=_activation(k), dtype=dtype)
     shared = None
@@ -220,7 +220,7 @@ def _llama4(k: _Keys, family: str, dtype: torch.dtype) -> ModelMoE:
 
 def _olmoe(k: _Keys, family: str, dtype: torch.dtype) -> ModelMoE:
     n = int(k.need("num_hidden_layers"))
-    config = MoEConfig(int(k.need("num_experts")), int(k.need("num_experts_per_tok")),
+    config = MoEConfig(int(k.need("num_experts", "num_local_experts")), int(k.need("num_experts_per_tok")),
                        int(k.need("hidden_size")), int(k.need("intermediate_size")),
                        activation=_activation(k), dtype=dtype)
     return ModelMoE(family, config, n, tuple(range(n)),

@@ -1,0 +1,91 @@
+"""HF transformers experts blocks: eager vs grouped_mm vs moe_dispatch, side by side.
+
+Usage: .venv/bin/python benchmarks/bench_hf.py [--dtype bfloat16] [--reps 9]
+
+Blocks: Qwen3-MoE-like (E=64, K=8, H=2048, I=768) and Mixtral-like (E=8, K=2, H=1024, I=1408),
+each an HF experts module with random weights, called as the model calls it
+(``experts(hidden_states, top_k_index, top_k_weights)``) with
+``config._experts_implementation`` switched between calls (round-robin, medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import transformers
+
+import moe_dispatch as md
+import moe_dispatch.hf as mdhf
+
+BLOCKS = {
+    "qwen3_moe E=64 K=8 H=2048 I=768": lambda: transformers.Qwen3MoeConfig(
+        hidden_size=2048, moe_intermediate_size=768, num_experts=64, num_experts_per_tok=8),
+    "mixtral E=8 K=2 H=1024 I=1408": lambda: transformers.MixtralConfig(
+        hidden_size=1024, intermediate_size=1408, num_local_experts=8, num_experts_per_tok=2),
+}
+IMPLS = ("eager", "grouped_mm", "moe_dispatch")
+
+
+def experts_module(cfg, dtype):
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    cls = Qwen3MoeExperts if cfg.model_type == "qwen3_moe" else MixtralExperts
+    mod = cls(cfg).to(dtype).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return mod
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--tokens", default="1,8,128,512")
+    args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    mdhf.register()
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}, {args.dtype}, "
+          f"{torch.get_num_threads()} threads, machine {md.Capabilities.detect().fingerprint()}")
+    for name, make in BLOCKS.items():
+        cfg = make()
+        mod = experts_module(cfg, dtype)
+        cfg._experts_implementation = "moe_dispatch"
+        t0 = time.perf_counter()
+        backend = mdhf.layer_for(mod).backend
+        print(f"\n{name}: moe_dispatch runs {backend!r} (built in {time.perf_counter() - t0:.1f} s)")
+        print(f"| T | {' | '.join(IMPLS)} | moe_dispatch speedup vs faster HF |")
+        print("|" + " ---: |" * (len(IMPLS) + 2))
+        for tokens in [int(t) for t in args.tokens.split(",")]:
+            g = torch.Generator().manual_seed(tokens)
+            pool = []
+            for _ in range(3):
+                x = torch.randn(tokens, cfg.hidden_size, generator=g).to(dtype)
+                w, ids = md.select_experts(torch.randn(tokens, mod.num_experts, generator=g),
+                                           cfg.num_experts_per_tok)
+                pool.append((x, ids.long(), w.to(dtype)))
+            samples = {i: [] for i in IMPLS}
+            reps = args.reps if tokens <= 128 else max(3, args.reps // 2)
+            with torch.no_grad():
+                for impl in IMPLS:  # warm-up
+                    cfg._experts_implementation = impl
+                    mod(*pool[0])
+                for rep in range(reps):
+                    for impl in IMPLS:
+                        cfg._experts_implementation = impl
+                        t0 = time.perf_counter()
+                        mod(*pool[rep % 3])
+                        samples[impl].append(time.perf_counter() - t0)
+            med = {i: statistics.median(v) * 1e3 for i, v in samples.items()}
+            best_hf = min(med["eager"], med["grouped_mm"])
+            print(f"| {tokens} | " + " | ".join(f"{med[i]:.2f}" for i in IMPLS)
+                  + f" | {best_hf / med['moe_dispatch']:.2f}x |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,143 @@
+"""Hugging Face transformers integration: ``experts_implementation="moe_dispatch"``.
+
+    import moe_dispatch.hf
+    moe_dispatch.hf.register()            # once; importing this module does not register
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="moe_dispatch")
+
+transformers 5 routes expert computation through ``transformers.integrations.moe``: experts
+classes decorated with ``@use_experts_implementation`` look up
+``config._experts_implementation`` in ``ExpertsInterface`` on every forward. This module
+registers a function there that builds (once, lazily, cached on the experts module) a prepared
+:class:`moe_dispatch.MoELayer` from the module's weights and runs it.
+
+Layouts: Qwen-MoE, Mixtral, OLMoE, DeepSeek and most others store ``gate_up_proj [E, 2I, H]``
+(gate rows first) and ``down_proj [E, H, I]``: moe-dispatch's canonical layout, used as is.
+gpt-oss stores ``gate_up_proj [E, H, 2I]`` (gate/up interleaved) and ``down_proj [E, I, H]``
+with biases: passed as transposed views (the backends copy what they need), activation
+``swigluoai`` after checking alpha = 1.702 and limit = 7.0.
+
+HF's parameters are never modified. A family or activation that cannot be represented
+exactly raises :class:`HFIntegrationError` naming the family and the missing feature, before
+any number is computed.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from ._config import Activation, MoEConfig
+from ._errors import MoEDispatchError
+from ._layer import MoELayer
+
+NAME = "moe_dispatch"
+_ACTIVATIONS = {"silu": Activation.SILU, "swish": Activation.SILU, "gelu": Activation.GELU,
+                "gelu_pytorch_tanh": Activation.GELU_TANH, "gelu_new": Activation.GELU_TANH}
+_LOCK = threading.Lock()
+# Options for the layers this integration builds (MoELayer keyword arguments).
+LAYER_OPTIONS: dict[str, Any] = {}
+
+
+class HFIntegrationError(MoEDispatchError, ValueError):
+    """An HF experts module moe-dispatch cannot represent exactly."""
+
+
+def register(name: str = NAME, **layer_options: Any) -> None:
+    """Register ``name`` in transformers' ExpertsInterface (idempotent).
+
+    ``layer_options`` are passed to every :class:`MoELayer` built (``backend=``,
+    ``exclude=``, ``policy=``...).
+    """
+    from transformers.integrations.moe import ExpertsInterface
+    LAYER_OPTIONS.clear()
+    LAYER_OPTIONS.update(layer_options)
+    ExpertsInterface.register(name, experts_forward)
+
+
+def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
+                    top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ExpertsInterface function: ``[T, H]`` tokens, ``[T, K]`` ids and weights."""
+    layer = layer_for(module)
+    return layer(hidden_states, top_k_weights.to(torch.float32), top_k_index.to(torch.int32))
+
+
+def _family(module: torch.nn.Module) -> str:
+    config = getattr(module, "config", None)
+    model_type = getattr(config, "model_type", None) or "unknown"
+    return f"{model_type} ({type(module).__name__})"
+
+
+def describe(module: torch.nn.Module) -> tuple[MoEConfig, dict[str, torch.Tensor | None]]:
+    """The MoEConfig and canonical weights (views, no copies) of an HF experts module."""
+    family = _family(module)
+    if not getattr(module, "has_gate", True):
+        raise HFIntegrationError(f"{family}: experts without a gate projection (has_gate=False) "
+                                 "are not supported: moe-dispatch runs gated experts")
+    if getattr(module, "has_post_expert_norm", False):
+        raise HFIntegrationError(f"{family}: a post-expert norm (has_post_expert_norm) is not "
+                                 "supported")
+    if getattr(module, "_is_expert_parallel", False):
+        raise HFIntegrationError(f"{family}: HF expert parallelism is not supported here; use "
+                                 "moe_dispatch.distributed")
+    gate_up = module.gate_up_proj.detach()  # detach shares storage and version counter
+    down = module.down_proj.detach()
+    transposed = bool(getattr(module, "is_transposed", False))
+    concatenated = bool(getattr(module, "is_concatenated", True))
+    has_bias = bool(getattr(module, "has_bias", False))
+    if transposed:
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    experts, two_i, hidden = gate_up.shape
+    inter = two_i // 2
+    from transformers.integrations.moe import _default_apply_gate
+    own_gate = getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate
+    if own_gate or not concatenated:
+        activation = _custom_gate(module, family, concatenated)
+    else:
+        act_name = getattr(getattr(module, "config", None), "hidden_act", None)
+        if act_name not in _ACTIVATIONS:
+            raise HFIntegrationError(f"{family}: activation {act_name!r} is not supported "
+                                     f"(supported: {', '.join(sorted(_ACTIVATIONS))})")
+        activation = _ACTIVATIONS[act_name]
+    top_k = int(getattr(module.config, "num_experts_per_tok", 0) or 0)
+    if top_k <= 0:
+        raise HFIntegrationError(f"{family}: config.num_experts_per_tok is missing")
+    config = MoEConfig(experts, min(top_k, experts), hidden, inter, activation=activation,
+                       dtype=gate_up.dtype, has_bias=has_bias)
+    weights = {"w13": gate_up, "w2": down,
+               "w13_bias": module.gate_up_proj_bias.detach() if has_bias else None,
+               "w2_bias": module.down_proj_bias.detach() if has_bias else None}
+    return config, weights
+
+
+def _custom_gate(module: torch.nn.Module, family: str, concatenated: bool) -> Activation:
+    """gpt-oss's clamped SwiGLU is swigluoai exactly when alpha=1.702, limit=7, interleaved."""
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    if concatenated or alpha is None or limit is None:
+        raise HFIntegrationError(f"{family}: a custom gate (_apply_gate) that moe-dispatch "
+                                 "cannot identify; supported: gpt-oss clamped SwiGLU")
+    if float(alpha) != 1.702 or float(limit) != 7.0:
+        raise HFIntegrationError(f"{family}: clamped SwiGLU with alpha={alpha}, limit={limit}; "
+                                 "swigluoai fixes alpha=1.702 and limit=7.0")
+    return Activation.SWIGLUOAI
+
+
+def layer_for(module: torch.nn.Module) -> MoELayer:
+    """The prepared MoELayer for an HF experts module, built once and cached on it.
+
+    Rebuilt when the module's parameters are replaced or changed in place.
+    """
+    key = tuple((id(p), p._version) for p in module.parameters(recurse=False))
+    cached = getattr(module, "_moe_dispatch_layer", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    with _LOCK:
+        cached = getattr(module, "_moe_dispatch_layer", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        config, weights = describe(module)
+        layer = MoELayer(config, **LAYER_OPTIONS).load_weights(**weights).prepare()
+        # Plain attribute, not a submodule: it must not appear in state_dict or .parameters().
+        object.__setattr__(module, "_moe_dispatch_layer", (key, layer))
+        return layer
