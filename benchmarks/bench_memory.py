@@ -2,9 +2,13 @@
 
 Usage: .venv/bin/python benchmarks/bench_memory.py [--config C2] [--dtype float32]
 
-Reports, in MiB and as a multiple of the layer's weight bytes: the resident memory added
-by prepare() (what the layer keeps) and the peak during prepare() (transient copies
-included), measured from /proc/self/status after the caller's weights exist. Linux only.
+Reports, in MiB and as a multiple of the layer's weight bytes, measured from
+/proc/self/status (Linux only):
+- kept: resident memory added by prepare() while the caller keeps its weights (the layer
+  keeps references to them for the fallback, keep_canonical=True);
+- peak: the high-water mark during prepare() (transient copies included);
+- owned: the layer built with keep_canonical=False and the caller's tensors deleted: the
+  memory the layer holds above the baseline taken before the weights existed.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import sys
 CHILD = r"""
 import gc, json, sys, torch
 import moe_dispatch as md
+from moe_dispatch import MoEConfig
 sys.path.insert(0, {bench_dir!r})
 from bench_backends import CONFIGS, _weights
 
@@ -29,15 +34,19 @@ def status(key):
 config = md.MoEConfig(**CONFIGS[{config!r}], dtype=getattr(torch, {dtype!r}))
 w13, w2 = _weights(config)
 nbytes = w13.numel() * w13.element_size() + w2.numel() * w2.element_size()
-md.resolve(config)  # import plugins before the baseline
 gc.collect()
 base = status("VmRSS")
 with open("/proc/self/clear_refs", "w") as fh:  # reset the peak (VmHWM) to the current RSS
     fh.write("5")
-layer = md.MoELayer(config, backend={backend!r}).load_weights(w13, w2).prepare()
-gc.collect()
-print(json.dumps(dict(backend={backend!r}, weight_bytes=nbytes, kept=status("VmRSS") - base,
-                      peak=status("VmHWM") - base)))
+if {mode!r} == "kept":
+    layer = md.MoELayer(config, backend={backend!r}).load_weights(w13, w2).prepare()
+    gc.collect()
+    print(json.dumps(dict(weight_bytes=nbytes, kept=status("VmRSS") - base, peak=status("VmHWM") - base)))
+else:  # owned: a fresh process, so no other layer's zentorch cache entries are counted
+    layer = md.MoELayer(config, backend={backend!r}, keep_canonical=False).load_weights(w13, w2).prepare()
+    del w13, w2
+    gc.collect()
+    print(json.dumps(dict(owned=status("VmRSS") - empty)))
 """
 
 
@@ -55,19 +64,25 @@ def main(argv: list[str] | None = None) -> int:
         c.name for c in md.resolve(config).candidates if c.decision.accepted]
     bench_dir = os.path.dirname(os.path.abspath(__file__))
     print(f"{args.config} {config.describe()}")
-    print(f"{'backend':<10} {'weights MiB':>12} {'kept MiB':>10} {'kept/w':>7} {'peak MiB':>10} {'peak/w':>7}")
+    print(f"{'backend':<10} {'weights MiB':>12} {'kept MiB':>10} {'kept/w':>7} {'peak MiB':>10} "
+          f"{'peak/w':>7} {'owned MiB':>10} {'owned/w':>8}")
     for name in names:
-        code = CHILD.format(bench_dir=bench_dir, config=args.config, dtype=args.dtype, backend=name)
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("{")), None)
-        if line is None:
-            print(f"{name:<10} failed: {out.stderr.strip().splitlines()[-1:]}")
-            continue
-        r = json.loads(line)
-        mib = 1 << 20
-        w = r["weight_bytes"]
-        print(f"{name:<10} {w / mib:>12.0f} {r['kept'] / mib:>10.0f} {r['kept'] / w:>7.2f} "
-              f"{r['peak'] / mib:>10.0f} {r['peak'] / w:>7.2f}")
+        r: dict = {}
+        for mode in ("kept", "owned"):
+            code = CHILD.format(bench_dir=bench_dir, config=args.config, dtype=args.dtype,
+                                backend=name, mode=mode)
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+            line = next((ln for ln in out.stdout.splitlines() if ln.startswith("{")), None)
+            if line is None:
+                print(f"{name:<10} {mode} failed: {out.stderr.strip().splitlines()[-1:]}")
+                break
+            r.update(json.loads(line))
+        else:
+            mib = 1 << 20
+            w = r["weight_bytes"]
+            print(f"{name:<10} {w / mib:>12.0f} {r['kept'] / mib:>10.0f} {r['kept'] / w:>7.2f} "
+                  f"{r['peak'] / mib:>10.0f} {r['peak'] / w:>7.2f} {r['owned'] / mib:>10.0f} "
+                  f"{r['owned'] / w:>8.2f}")
     return 0
 
 
