@@ -113,6 +113,21 @@ def _private_copy(t: torch.Tensor) -> torch.Tensor:
                        "weight cache has not seen")
 
 
+def _shared_or_copy(t: torch.Tensor) -> torch.Tensor:
+    """The caller's tensor itself where that is safe, else a private copy.
+
+    Safe means: float32 (the op never writes fp32 weights: its cache keeps a packed copy
+    instead; the tests check the caller's bytes after prepare and forwards), contiguous, and
+    at addresses the op has never seen. An in-place change by the caller is then caught by
+    the layer's version check. This saves one copy of the weights (measured: 2.02x -> 1.0x
+    of the weight bytes kept for fp32). bf16 is always copied: the default cache mode
+    reorders bf16 weights in place.
+    """
+    if t.dtype == torch.float32 and t.is_contiguous() and not (_addresses(t) & _BURNED):
+        return t
+    return _private_copy(t)
+
+
 def _burn(*tensors: torch.Tensor | None) -> None:
     for t in tensors:
         if t is not None:
@@ -205,11 +220,11 @@ class ZentorchBackend(md.BackendBase):
         config = weights.config
         with _LEDGER_LOCK:
             for attempt in range(2):
+                own = _private_copy if attempt else _shared_or_copy
                 state = ZentorchState(
-                    config,
-                    _private_copy(weights.w13), _private_copy(weights.w2),
-                    _private_copy(weights.w13_bias) if weights.w13_bias is not None else None,
-                    _private_copy(weights.w2_bias) if weights.w2_bias is not None else None,
+                    config, own(weights.w13), own(weights.w2),
+                    own(weights.w13_bias) if weights.w13_bias is not None else None,
+                    own(weights.w2_bias) if weights.w2_bias is not None else None,
                     config.activation.value)
                 _burn(state.w13, state.w2, state.w13_bias, state.w2_bias)
                 error = _warm_up_and_check(state, weights)

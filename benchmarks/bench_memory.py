@@ -22,7 +22,6 @@ import sys
 CHILD = r"""
 import gc, json, sys, torch
 import moe_dispatch as md
-from moe_dispatch import MoEConfig
 sys.path.insert(0, {bench_dir!r})
 from bench_backends import CONFIGS, _weights
 
@@ -32,6 +31,9 @@ def status(key):
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
 config = md.MoEConfig(**CONFIGS[{config!r}], dtype=getattr(torch, {dtype!r}))
+md.resolve(config)  # import the plugins before any baseline
+gc.collect()
+empty = status("VmRSS")
 w13, w2 = _weights(config)
 nbytes = w13.numel() * w13.element_size() + w2.numel() * w2.element_size()
 gc.collect()

@@ -12,7 +12,6 @@ import hashlib
 import json
 import logging
 import os
-import statistics
 import tempfile
 import threading
 import time
@@ -129,7 +128,7 @@ def measure(runners: dict[str, Runner], config: MoEConfig, sizes: list[int], bud
             default: str, reps: int = 5) -> tuple[dict[int, str], dict[int, dict[str, float]]]:
     """Time every runner at every bucket size, round-robin, medians. Buckets left when the
     budget runs out get ``default`` (the priority choice)."""
-    from ._bench import random_inputs
+    from ._bench import random_inputs, time_side_by_side
     start = time.perf_counter()
     table: dict[int, str] = {}
     timings: dict[int, dict[str, float]] = {}
@@ -144,17 +143,8 @@ def measure(runners: dict[str, Runner], config: MoEConfig, sizes: list[int], bud
         if elapsed > 1.0:
             log.info("moe-dispatch: tuning %s: bucket %d/%d (T=%d), %.1f s so far",
                      config.describe(), n, len(sizes), tokens, elapsed)
-        inputs = random_inputs(config, tokens, pool=3, seed=tokens)
-        samples: dict[str, list[float]] = {name: [] for name in runners}
-        for fn in runners.values():
-            fn(*inputs[0])  # warm
-        for rep in range(reps):
-            args = inputs[rep % len(inputs)]
-            for name, fn in runners.items():
-                t0 = time.perf_counter()
-                fn(*args)
-                samples[name].append(time.perf_counter() - t0)
-        med = {name: statistics.median(v) * 1e3 for name, v in samples.items()}
+        med = time_side_by_side(runners, random_inputs(config, tokens, pool=3, seed=tokens),
+                                reps, warmup=1)
         timings[tokens] = med
         table[tokens] = min(med, key=lambda name: (med[name], name))
     return table, timings
