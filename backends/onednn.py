@@ -14,7 +14,6 @@ torch, fp32 on Zen 3, H=2048, I=768: no gain at any M (1: 0.457 vs 0.403 ms; 64:
 
 from __future__ import annotations
 
-from typing import Any
 
 import attrs
 import torch

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
 
 import attrs
 import torch

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import os
 import platform
-import re
 from typing import Any, Iterable, Mapping
 
 import attrs

@@ -216,12 +216,11 @@ def _resolve(config: MoEConfig, caps: Capabilities, forced: str | None, by_arg: 
     else:
         chosen = next((rec.name for rec, dec, _ in decisions if dec.accepted), None)
     candidates = []
-    seen_chosen = False
     for rec, dec, excluded in decisions:
         if excluded:
             status = EXCLUDED
         elif rec.name == chosen:
-            status, seen_chosen = CHOSEN, True
+            status = CHOSEN
         elif not dec.accepted:
             status = REJECTED
         elif forced is not None:

@@ -12,7 +12,6 @@ import os
 import sys
 from typing import Any, Sequence
 
-import torch
 
 from . import hf_config
 from ._capabilities import Capabilities

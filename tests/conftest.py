@@ -8,6 +8,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from fakedist import plugin_path  # noqa: F401  (a fixture shared by the plugin tests)
+
 # CI profile: derandomized (reproducible in CI logs), bounded, no deadline (the shared
 # machines are noisy). "dev" explores more; select with HYPOTHESIS_PROFILE.
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from fakedist import make_dist, plugin_path, plugin_source  # noqa: F401 (fixture)
+from fakedist import make_dist, plugin_source
 from helpers import TOLERANCE, random_routing, random_weights, reference, rel_error, snapshot, assert_unchanged
 from moe_dispatch_backends import torch_loop
 

@@ -11,7 +11,7 @@ from hypothesis import assume, given, strategies as st
 import moe_dispatch as md
 from helpers import (TOLERANCE, ZENTORCH_OK, ZENTORCH_WHY, assert_unchanged, random_routing,
                      random_weights, reference, rel_error, snapshot)
-from strategies import configs, routing
+from strategies import configs
 
 needs_zentorch = pytest.mark.skipif(not ZENTORCH_OK, reason=f"zentorch backend unavailable: {ZENTORCH_WHY}")
 pytestmark = pytest.mark.zentorch
