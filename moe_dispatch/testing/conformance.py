@@ -70,16 +70,23 @@ def _accepting(name: str, config: md.MoEConfig, caps_list: list[md.Capabilities]
         rec, "supports_config", config, c).accepted), None)
 
 
+def _drawn_layer(name: str, machines: list[md.Capabilities], kinds: list[tuple], draw) -> tuple:
+    """(config, data, caller's weights, prepared layer) for a drawn layer the backend accepts."""
+    data = draw.draw(layers(kinds))
+    config = _config(data)
+    caps = _accepting(name, config, machines)
+    assume(caps is not None)
+    w = random_weights(config, data["seed"])
+    layer = md.MoELayer(config, backend=name, capabilities=caps).load_weights(**w)
+    return config, data, w, layer
+
+
 @_SETTINGS
 @given(draw=st.data())
 def test_parity_with_reference(moe_backend, backend_machines, backend_kinds, draw):
-    data = draw.draw(layers(backend_kinds))
-    config = _config(data)
-    caps = _accepting(moe_backend, config, backend_machines)
-    assume(caps is not None)
-    w = random_weights(config, data["seed"])
+    config, data, w, layer = _drawn_layer(moe_backend, backend_machines, backend_kinds, draw)
+    layer.prepare()
     x, tw, ids = random_inputs(config, data["tokens"], pool=1, seed=data["seed"])[0]
-    layer = md.MoELayer(config, backend=moe_backend, capabilities=caps).load_weights(**w).prepare()
     out = layer(x, tw, ids)
     assert out.shape == x.shape and out.dtype == config.dtype
     want = moe_reference(config, x, w["w13"], w["w2"], tw, ids, w["w13_bias"], w["w2_bias"])
@@ -89,13 +96,9 @@ def test_parity_with_reference(moe_backend, backend_machines, backend_kinds, dra
 @_SETTINGS
 @given(draw=st.data())
 def test_weight_ownership(moe_backend, backend_machines, backend_kinds, draw):
-    data = draw.draw(layers(backend_kinds))
-    config = _config(data)
-    caps = _accepting(moe_backend, config, backend_machines)
-    assume(caps is not None)
-    w = random_weights(config, data["seed"])
+    config, data, w, layer = _drawn_layer(moe_backend, backend_machines, backend_kinds, draw)
     saved = {k: v.clone() for k, v in w.items() if v is not None}
-    layer = md.MoELayer(config, backend=moe_backend, capabilities=caps).load_weights(**w).prepare()
+    layer.prepare()
     for x, tw, ids in random_inputs(config, data["tokens"], pool=3, seed=data["seed"]):
         layer(x, tw, ids)
     for k, v in saved.items():
