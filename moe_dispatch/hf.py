@@ -31,10 +31,9 @@ import torch
 from ._config import Activation, MoEConfig
 from ._errors import MoEDispatchError
 from ._layer import MoELayer
+from .hf_config import HF_ACTIVATIONS as _ACTIVATIONS
 
 NAME = "moe_dispatch"
-_ACTIVATIONS = {"silu": Activation.SILU, "swish": Activation.SILU, "gelu": Activation.GELU,
-                "gelu_pytorch_tanh": Activation.GELU_TANH, "gelu_new": Activation.GELU_TANH}
 _LOCK = threading.Lock()
 # Options for the layers this integration builds (MoELayer keyword arguments).
 LAYER_OPTIONS: dict[str, Any] = {}

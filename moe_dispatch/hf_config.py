@@ -119,14 +119,17 @@ class _Keys:
         return default if value is None else value
 
 
+# transformers' hidden_act names with an exact moe-dispatch activation (also used by hf.py).
+HF_ACTIVATIONS = {"silu": Activation.SILU, "swish": Activation.SILU, "gelu": Activation.GELU,
+                  "gelu_pytorch_tanh": Activation.GELU_TANH, "gelu_new": Activation.GELU_TANH}
+
+
 def _activation(keys: _Keys) -> Activation:
     act = keys.get("hidden_act", "silu")
-    mapping = {"silu": Activation.SILU, "swish": Activation.SILU, "gelu": Activation.GELU,
-               "gelu_pytorch_tanh": Activation.GELU_TANH, "gelu_new": Activation.GELU_TANH}
-    if act not in mapping:
+    if act not in HF_ACTIVATIONS:
         raise HFConfigError(f"{keys.family}: hidden_act {act!r} has no MoE activation here "
-                            f"(supported: {', '.join(sorted(mapping))})")
-    return mapping[act]
+                            f"(supported: {', '.join(sorted(HF_ACTIVATIONS))})")
+    return HF_ACTIVATIONS[act]
 
 
 def _every(n: int, step: int = 1, skip: tuple[int, ...] = (), first: int = 0) -> tuple[int, ...]:
