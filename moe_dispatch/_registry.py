@@ -127,10 +127,7 @@ class Registry:
         failure = PluginFailure(plugin, source, error)
         if failure not in self._load_failures:
             self._load_failures.append(failure)
-        key = (plugin, error)
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning("moe-dispatch plugin %s (%s) excluded: %s", plugin, source, error)
+        self._warn_once(failure)
 
     def _ensure_loaded(self) -> None:
         if self._want_entry_points and not self._entry_points_loaded:
