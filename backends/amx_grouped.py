@@ -19,7 +19,7 @@ import attrs
 import torch
 
 import moe_dispatch as md
-from moe_dispatch_backends.torch_loop import gated_activation
+from moe_dispatch_backends.torch_loop import gated_activation, sort_by_expert
 
 NAME = "amx_grouped"
 PRIORITY = 300
@@ -67,13 +67,10 @@ class AMXGroupedBackend(md.BackendBase):
 def grouped_moe(state: GroupedState, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
     config = state.config
-    tokens, top_k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1).to(torch.int64)
-    order = torch.argsort(flat_ids, stable=True)
-    sorted_ids = flat_ids[order]
-    token_of = order // top_k
-    weights = topk_weights.reshape(-1).to(torch.float32)[order].unsqueeze(1)
-    offs = torch.bincount(flat_ids, minlength=config.num_experts).cumsum(0).to(torch.int32)
+    tokens = topk_ids.shape[0]
+    token_of, sorted_ids, weights, counts = sort_by_expert(topk_ids, topk_weights, config.num_experts)
+    weights = weights.unsqueeze(1)
+    offs = counts.cumsum(0).to(torch.int32)
     rows = x[token_of]
     if config.apply_router_weight_on_input:
         rows = (rows.to(torch.float32) * weights).to(x.dtype)

@@ -7,7 +7,7 @@ so it costs no memory and is always a safe fallback.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +65,30 @@ def moe_loop(weights: md.LayerWeights, x: torch.Tensor, topk_weights: torch.Tens
     return grouped_by_expert(config, x, topk_weights, topk_ids, expert)
 
 
+class ExpertOrder(NamedTuple):
+    """The (token, slot) pairs of a batch sorted by expert (stable)."""
+
+    token_of: torch.Tensor  # int64 [T*K]: the token of each sorted pair
+    expert_ids: torch.Tensor  # int64 [T*K]: the expert of each sorted pair (non-decreasing)
+    weights: torch.Tensor  # float32 [T*K]: the router weight of each sorted pair
+    counts: torch.Tensor  # int64 [E]: pairs per expert
+
+
+def sort_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   num_experts: int) -> ExpertOrder:
+    """Sort a batch's (token, slot) pairs by expert: the common first step of every
+    per-expert and grouped-GEMM backend."""
+    top_k = topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1).to(torch.int64)
+    if flat_ids.numel() == 1:  # decode with top-1: nothing to sort
+        order = torch.zeros(1, dtype=torch.int64)
+    else:
+        order = torch.argsort(flat_ids, stable=True)
+    return ExpertOrder(order // top_k, flat_ids[order],
+                       topk_weights.reshape(-1).to(torch.float32)[order],
+                       torch.bincount(flat_ids, minlength=num_experts))
+
+
 def grouped_by_expert(config: md.MoEConfig, x: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, expert: ExpertFn) -> torch.Tensor:
     """Group tokens by expert, run ``expert(e, rows)`` once per active expert, and
@@ -74,16 +98,9 @@ def grouped_by_expert(config: md.MoEConfig, x: torch.Tensor, topk_weights: torch
     With ``apply_router_weight_on_input`` the weight scales the rows before the expert
     and is not applied again on the way out.
     """
-    tokens, top_k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1).to(torch.int64)
-    flat_w = topk_weights.reshape(-1).to(torch.float32)
-    if flat_ids.numel() == 1:  # decode with top-1: skip the sort
-        order = torch.zeros(1, dtype=torch.int64)
-    else:
-        order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=config.num_experts).tolist()
-    token_of = order // top_k
-    sorted_w = flat_w[order]
+    tokens = topk_ids.shape[0]
+    token_of, _, sorted_w, counts_t = sort_by_expert(topk_ids, topk_weights, config.num_experts)
+    counts = counts_t.tolist()
     out = torch.zeros(tokens, config.hidden_size, dtype=torch.float32)
     on_input = config.apply_router_weight_on_input
     start = 0
