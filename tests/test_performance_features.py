@@ -111,3 +111,38 @@ def test_torch_compile_inductor_once():
     compiled = torch.compile(layer, fullgraph=True)
     x, tw, ids = random_routing(CFG, 7)
     assert torch.equal(compiled(x, tw, ids), layer(x, tw, ids))
+
+
+def test_hooks_still_run_on_the_fast_path():
+    """MoELayer.__call__ skips nn.Module's hook machinery only when no hook is registered."""
+    w = random_weights(CFG)
+    layer = md.MoELayer(CFG).load_weights(**w).prepare()
+    x, tw, ids = random_routing(CFG, 4, seed=3)
+    plain = layer(x, tw, ids)
+    seen = []
+    pre = layer.register_forward_pre_hook(lambda mod, args: (args[0] * 2, *args[1:]))
+    post = layer.register_forward_hook(lambda mod, args, out: out + 1)
+    assert torch.allclose(layer(x, tw, ids), layer.forward(x * 2, tw, ids) + 1)
+    pre.remove(), post.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda mod, args, out: seen.append(type(mod).__name__))
+    try:
+        assert torch.equal(layer(x, tw, ids), plain)
+    finally:
+        handle.remove()
+    assert seen == ["MoELayer"]
+    assert torch.equal(layer(x, tw, ids), plain)
+
+
+def test_module_compile_in_place():
+    """nn.Module.compile() (the in-place variant) goes through the custom op too."""
+    torch._dynamo.reset()
+    w = random_weights(CFG)
+    layer = md.MoELayer(CFG).load_weights(**w).prepare()
+    x, tw, ids = random_routing(CFG, 5, seed=5)
+    eager = layer(x, tw, ids)
+    from torch._dynamo.testing import CompileCounterWithBackend
+    counter = CompileCounterWithBackend("aot_eager")
+    layer.compile(fullgraph=True, backend=counter)
+    assert torch.equal(layer(x, tw, ids), eager)
+    assert counter.frame_count == 1  # it really ran compiled
