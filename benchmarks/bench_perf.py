@@ -3,12 +3,15 @@
 Usage:
     .venv/bin/python benchmarks/bench_perf.py [--dtype float32] [--reps 11] [--markdown out.md]
 
-All timings are medians of round-robin calls in one process (fresh routing per call from a
-pool), so the machine's noise hits every candidate alike. Per grid point it reports:
+All timings are medians of rounds in one process: each round calls every candidate once,
+in a shuffled order, on the same fresh routing, so the machine's noise hits every candidate
+alike. Per grid point it reports:
 - every accepting built-in backend through MoELayer (policy="priority", forced);
 - the layer with policy="priority" (the resolver's choice) and policy="fastest" (tuned);
 - the raw zentorch op on the prepared weights, and the overhead ratio layer / raw;
-- regret: each policy's time over the fastest backend's;
+- regret: each policy's time over the fastest backend's, as the median of per-round ratios;
+- the noise floor: a second layer forced to the priority choice (same kernel, same weights,
+  other buffers) over the first, the same paired way: regrets within it are noise;
 - decode bandwidth (active expert bytes / time) and prefill GFLOP/s against this machine's
   ceilings measured in the same run (a large matmul, a large tensor read).
 """
@@ -23,7 +26,7 @@ import time
 import torch
 
 import moe_dispatch as md
-from moe_dispatch._bench import random_inputs, random_weights, time_side_by_side
+from moe_dispatch._bench import paired_ratio, random_inputs, random_weights, time_rounds
 
 from bench_backends import raw_zentorch
 
@@ -56,19 +59,29 @@ def ceilings(dtype: torch.dtype) -> dict[str, float]:
     return {"matmul_gflops": gflops, "read_gbs": big.numel() * 4 / statistics.median(ts) / 1e9}
 
 
-def overhead(layer: md.MoELayer, raw, config: md.MoEConfig, reps: int = 200) -> float:
-    """Median over paired calls of (layer time / raw time) at T=1, interleaved."""
+def overhead(layer: md.MoELayer, raw, config: md.MoEConfig, pairs: int = 1000) -> float:
+    """Median over interleaved pairs of (layer time / raw time) at T=1. The order inside a
+    pair alternates: the second call of a pair runs in a different cache state."""
     inputs = random_inputs(config, 1, pool=8, seed=99)
+    for x, tw, ids in inputs[:2]:
+        raw(x, tw, ids), layer(x, tw, ids)
     ratios = []
-    for i in range(reps):
+    for i in range(pairs):
         x, tw, ids = inputs[i % len(inputs)]
+        first, second = (raw, layer) if i % 2 == 0 else (layer, raw)
         t0 = time.perf_counter()
-        raw(x, tw, ids)
+        first(x, tw, ids)
         t1 = time.perf_counter()
-        layer(x, tw, ids)
+        second(x, tw, ids)
         t2 = time.perf_counter()
-        ratios.append((t2 - t1) / (t1 - t0))
+        t_raw, t_layer = (t1 - t0, t2 - t1) if i % 2 == 0 else (t2 - t1, t1 - t0)
+        ratios.append(t_layer / t_raw)
     return statistics.median(ratios)
+
+
+def reps_for(tokens: int, reps: int) -> int:
+    """More rounds where calls are cheap: small T is where noise matters most."""
+    return reps * 4 if tokens <= 8 else reps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         fns["policy=priority"] = md.MoELayer(config).load_weights(**w).prepare()
         fns["policy=fastest"] = md.MoELayer(config, policy="fastest", exclude=[
             n for n in md.available_backends() if n not in BUILTINS], tuning_cache=False).load_weights(**w).prepare()
+        # The noise floor: a second layer forced to the priority choice. It runs the same
+        # kernel on the same weights as that backend's column, in other buffers.
+        control = f"{res.backend} (2nd layer)"
+        fns[control] = md.MoELayer(config, backend=res.backend).load_weights(**w).prepare()
         if "zentorch" in backends:
             fns["raw:zentorch op"] = raw_zentorch(fns["zentorch"])
         print(f"{cname} prepared in {time.perf_counter() - t0:.1f} s (tuning included)", file=sys.stderr)
@@ -102,22 +119,26 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"priority choice: `{res.backend}`; tuned table: "
                      + ", ".join(f"T<={t}: {n}" for t, n in tuned.items()))
         lines.append("")
-        head = ["T"] + list(fns) + ["regret priority", "regret fastest", "decode GB/s", "GFLOP/s"]
+        head = (["T"] + list(fns) + ["fastest backend", "regret priority", "regret fastest",
+                                    "noise floor", "decode GB/s", "GFLOP/s"])
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + " ---: |" * len(head))
         bytes_per_expert = 3 * config.hidden_size * config.intermediate_size * w["w13"].element_size()
         for tokens in TOKENS:
-            med = time_side_by_side(dict(fns), random_inputs(config, tokens),
-                                    args.reps if tokens <= 128 else max(5, args.reps // 2))
-            best = min(med[b] for b in backends)
-            prio, fast = med["policy=priority"] / best, med["policy=fastest"] / best
+            samples = time_rounds(dict(fns), random_inputs(config, tokens), reps_for(tokens, args.reps),
+                                  seed=tokens)
+            med = {n: statistics.median(v) for n, v in samples.items()}
+            best = min(backends, key=lambda b: med[b])
+            prio = paired_ratio(samples, "policy=priority", best)
+            fast = paired_ratio(samples, "policy=fastest", best)
+            floor = paired_ratio(samples, control, res.backend)
             _, ids = random_inputs(config, tokens, pool=1)[0][1:]
             active = len(torch.unique(ids))
             chosen_ms = med["policy=priority"]
             gbs = active * bytes_per_expert / (chosen_ms / 1e3) / 1e9
             gflops = 2 * tokens * config.top_k * 3 * config.hidden_size * config.intermediate_size / (chosen_ms / 1e3) / 1e9
-            row = [str(tokens)] + [f"{med[n]:.2f}" for n in fns] + [f"{prio:.3f}", f"{fast:.3f}",
-                                                                 f"{gbs:.1f}", f"{gflops:.0f}"]
+            row = ([str(tokens)] + [f"{med[n]:.2f}" for n in fns]
+                   + [best, f"{prio:.3f}", f"{fast:.3f}", f"{floor:.3f}", f"{gbs:.1f}", f"{gflops:.0f}"])
             lines.append("| " + " | ".join(row) + " |")
             print(f"  {cname} T={tokens} done", file=sys.stderr)
         lines.append("")
@@ -125,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             # The same layer's own prepared weights: copies at other addresses differ by a
             # few percent on their own (measured), which is not framework overhead.
             ov = overhead(fns["policy=priority"], raw_zentorch(fns["policy=priority"]), config)
-            lines.append(f"overhead at T=1 (median of 200 interleaved pairs, MoELayer.forward / raw "
+            lines.append(f"overhead at T=1 (median of 1000 interleaved pairs, MoELayer / raw "
                          f"zentorch op): **{ov:.3f}**")
             lines.append("")
     text = "\n".join(lines)

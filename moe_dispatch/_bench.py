@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 import sys
 import time
@@ -58,20 +59,41 @@ def prepared_layers(config: MoEConfig, weights: dict, backends: Iterable[str] | 
     return layers
 
 
-def time_side_by_side(fns: dict[str, Runner], inputs: list, reps: int, warmup: int = 2
-                      ) -> dict[str, float]:
-    """Median ms per call; candidates are called round-robin so noise hits all alike."""
+def time_rounds(fns: dict[str, Runner], inputs: list, reps: int, warmup: int = 2,
+                seed: int = 0) -> dict[str, list[float]]:
+    """ms per call of each candidate, one sample per round.
+
+    Every round calls each candidate once on the same input, in a fresh random order, so
+    the machine's drift hits every candidate alike and no candidate always runs right after
+    the same neighbour. Sample ``r`` of two candidates come from the same round: their
+    ratio is a paired comparison.
+    """
+    order = list(fns)
+    rng = random.Random(seed)
     for fn in fns.values():
         for i in range(warmup):
             fn(*inputs[i % len(inputs)])
     samples: dict[str, list[float]] = {n: [] for n in fns}
     for rep in range(reps):
         args = inputs[rep % len(inputs)]
-        for name, fn in fns.items():
+        rng.shuffle(order)
+        for name in order:
+            fn = fns[name]
             t0 = time.perf_counter()
             fn(*args)
-            samples[name].append(time.perf_counter() - t0)
-    return {n: statistics.median(v) * 1e3 for n, v in samples.items()}
+            samples[name].append((time.perf_counter() - t0) * 1e3)
+    return samples
+
+
+def time_side_by_side(fns: dict[str, Runner], inputs: list, reps: int, warmup: int = 2
+                      ) -> dict[str, float]:
+    """Median ms per call of each candidate (see :func:`time_rounds`)."""
+    return {n: statistics.median(v) for n, v in time_rounds(fns, inputs, reps, warmup).items()}
+
+
+def paired_ratio(samples: dict[str, list[float]], name: str, baseline: str) -> float:
+    """Median over rounds of ``name``'s time over ``baseline``'s in the same round."""
+    return statistics.median(a / b for a, b in zip(samples[name], samples[baseline]))
 
 
 def bench_grid(config: MoEConfig, tokens: list[int], reps: int = 10,
