@@ -28,6 +28,7 @@ from ._validation import SMALL_IDS, check_forward, check_weights, id_range
 _Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling  # bound once: one lookup less per call
 _ID_DTYPES = (torch.int32, torch.int64)
+_FLOAT_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.float64))
 _version_of = operator.attrgetter("_version")
 _tracing_state = torch._C._get_tracing_state
 # nn.Module's process-wide hook registries (mutated in place by register_module_*_hook).
@@ -212,11 +213,15 @@ class MoELayer(torch.nn.Module):
             if self.keep_canonical:
                 c = self.config
                 tensors = tuple(t for _, t in weights.tensors())
+                chosen = [rec] if self._table is None else [r for r, _ in self._table]
                 table = None if self._table is None else tuple(
                     (r, r.spec.backend.apply, s) for r, s in self._table)
+                # The id range check can be left to the kernels only when every backend this
+                # layer may run rejects bad ids itself (BackendSpec.validates_ids).
+                check_ids = not all(r.spec.validates_ids for r in chosen)
                 self._fast = (rec, rec.spec.backend.apply, state, table, tensors,
                               tuple(t._version for t in tensors), c.hidden_size, c.top_k,
-                              c.num_experts, c.dtype)
+                              c.num_experts, c.dtype, check_ids)
         return self
 
     def _tune(self, final: Resolution, rec: BackendRecord, state: Any, weights: LayerWeights,
@@ -335,34 +340,42 @@ class MoELayer(torch.nn.Module):
     def _forward_eager(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor) -> torch.Tensor:
         # Fast path: the same checks as _forward_checked, in as little code as possible.
-        # Measured here: right after a kernel has streamed its weights through the caches,
-        # Python runs cold and every extra line costs microseconds (the full checked path
-        # cost ~150 us at E=64 H=2048, this one ~40 us). Any doubt: the checked path,
-        # which raises the precise error.
+        # Measured here: right after a kernel has streamed its weights through the caches
+        # (or after any idle pause), Python and torch's bindings run cold: ten attribute
+        # reads and one empty_like cost 1.7 us warm and ~80 us then. What counts is how many
+        # *distinct* torch entry points a call touches, so this path reads only tensor
+        # attributes (shape, dtype, is_cpu, _version) and at most one tolist() (none when
+        # the kernel rejects bad ids itself: BackendSpec.validates_ids), and derives the rest
+        # in plain Python. Any doubt: the checked path, which raises the precise error.
         fast = self._fast
         if fast is not None and type(hidden_states) is _Tensor and type(topk_weights) is _Tensor \
                 and type(topk_ids) is _Tensor:
-            rec, apply, state, table, tensors, versions, hidden, top_k, experts, dtype = fast
+            rec, apply, state, table, tensors, versions, hidden, top_k, experts, dtype, check_ids = fast
             shape = hidden_states.shape
             if (len(shape) == 2 and shape[1] == hidden and shape[0] and hidden_states.dtype is dtype
                     and topk_weights.shape == topk_ids.shape == (shape[0], top_k)
-                    and topk_ids.dtype in _ID_DTYPES and topk_weights.is_floating_point()
+                    and topk_ids.dtype in _ID_DTYPES and topk_weights.dtype in _FLOAT_DTYPES
                     and hidden_states.is_cpu and topk_weights.is_cpu and topk_ids.is_cpu
                     and tuple(map(_version_of, tensors)) == versions):
-                if topk_ids.numel() <= SMALL_IDS:  # map(): no Python frame per row
-                    rows = topk_ids.tolist()
-                    lo, hi = min(map(min, rows)), max(map(max, rows))
-                else:
-                    lo, hi = id_range(topk_ids)
-                if lo >= 0 and hi < experts:
-                    if table is not None:
-                        rec, apply, state = table[bucket_index(shape[0], len(table))]
-                    try:
-                        return apply(state, hidden_states, topk_weights, topk_ids)
-                    except MoEDispatchError:
-                        raise
-                    except Exception as exc:
-                        return self._fall_back(rec, exc, hidden_states, topk_weights, topk_ids)
+                if check_ids:
+                    if shape[0] * top_k <= SMALL_IDS:  # map(): no Python frame per row
+                        rows = topk_ids.tolist()
+                        lo, hi = min(map(min, rows)), max(map(max, rows))
+                    else:
+                        lo, hi = id_range(topk_ids)
+                    if lo < 0 or hi >= experts:
+                        return self._forward_checked(hidden_states, topk_weights, topk_ids)
+                if table is not None:
+                    rec, apply, state = table[bucket_index(shape[0], len(table))]
+                try:
+                    return apply(state, hidden_states, topk_weights, topk_ids)
+                except MoEDispatchError:
+                    raise
+                except Exception as exc:
+                    # Maybe the caller's ids (unchecked above when the kernels check them):
+                    # that raises the typed error here, and the backend is not blamed.
+                    check_forward(self.config, hidden_states, topk_weights, topk_ids)
+                    return self._fall_back(rec, exc, hidden_states, topk_weights, topk_ids)
         return self._forward_checked(hidden_states, topk_weights, topk_ids)
 
     def _forward_checked(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,

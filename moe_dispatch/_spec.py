@@ -113,6 +113,13 @@ class BackendSpec:
 
     ``priority``: higher runs first. Built-ins use zentorch 400 > amx 300 > onednn 200 >
     torch 0, leaving room on either side for vendors.
+
+    ``validates_ids``: the backend's ``apply`` raises an exception (never reads out of
+    bounds, never returns numbers) for any expert id outside ``[0, num_experts)``. The
+    layer's forward then skips its own O(T*K) range check on the fast path, and re-checks
+    the inputs only when ``apply`` raises, so that a bad id is still reported as the
+    caller's :class:`InvalidArgumentError` and does not demote the backend. Leave it False
+    unless a test proves it (negative ids index from the end in PyTorch: silently wrong).
     """
 
     name: str = attrs.field(converter=_normalize, validator=_check_name)
@@ -120,6 +127,8 @@ class BackendSpec:
     backend: Backend = attrs.field(validator=_check_backend, eq=False)
     description: str = ""
     version: str = ""
+    validates_ids: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool),
+                                      kw_only=True)
 
 
 @attrs.frozen(slots=True)

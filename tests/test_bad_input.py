@@ -91,6 +91,24 @@ def test_at_least_thirty_distinct_bad_inputs():
     assert len({c[0] for c in CASES}) >= 30
 
 
+@pytest.mark.parametrize("bad", [-1, 8, 2**31 - 1, 2**32 + 3, -(2**32) + 3])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_ids_on_every_backend_and_policy(backend, bad):
+    """Out-of-range ids give the typed error on every backend, whether the layer or the
+    kernel (zentorch: BackendSpec.validates_ids) finds them, and never demote the backend."""
+    layer = md.MoELayer(CFG, exclude=[b for b in BACKENDS if b != backend])
+    layer.load_weights(**W).prepare()
+    assert layer.backend == backend
+    for tokens in (1, 5):
+        x, tw, ids = random_routing(CFG, tokens, seed=tokens)
+        ids = ids.to(torch.int64)  # 2**32 + 3 would wrap to 3 if narrowed to int32
+        ids[-1, -1] = bad
+        with pytest.raises(md.InvalidArgumentError, match="topk_ids"):
+            layer(x, tw, ids)
+    assert layer.demotions == () and layer.backend == backend
+    assert rel_error(layer(X, TW, IDS), reference(CFG, W, X, TW, IDS)) <= TOLERANCE[torch.float32]
+
+
 # Legal but unusual input: documented behaviour, identical on every accepting backend.
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_unusual_but_legal_inputs(backend):

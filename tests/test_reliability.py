@@ -237,3 +237,59 @@ def test_blocked_plugin_is_never_imported(how, plugin_path, monkeypatch):
     with md.use_registry(md.Registry()):
         assert "sneaky" in md.available_backends()
     assert marker.exists()
+
+
+# -- 6. bad expert ids: the layer's check, or the kernel's own (BackendSpec.validates_ids) --
+class IndexingBackend(md.BackendBase):
+    """A per-expert loop that indexes its weights by id: a bad id raises IndexError,
+    except a negative one, which Python indexing silently wraps around."""
+
+    def __init__(self) -> None:
+        self.seen_ids: list[list[list[int]]] = []
+
+    def supports_config(self, config, capabilities):
+        return md.accept()
+
+    def process_weights(self, weights, capabilities):
+        return weights.w13.clone(), weights.w2.clone()
+
+    def apply(self, state, x, tw, ids):
+        self.seen_ids.append(ids.tolist())
+        w13, w2 = state
+        if int(ids.max()) >= w13.shape[0]:
+            raise IndexError(f"index {int(ids.max())} is out of bounds for dimension 0")
+        return torch.zeros_like(x)
+
+
+@pytest.mark.parametrize("validates", [False, True])
+@pytest.mark.parametrize("bad", [8, 100])
+def test_bad_ids_are_the_callers_error_whoever_checks_them(validates, bad):
+    backend = IndexingBackend()
+    spec = md.BackendSpec("indexing", 50, backend, validates_ids=validates)
+    with md.use_registry(_registry(spec)):
+        layer = md.MoELayer(CFG).load_weights(**random_weights(CFG)).prepare()
+        assert layer.backend == "indexing"
+        x, tw, ids = random_routing(CFG, 3)
+        ids[1, 0] = bad
+        with pytest.raises(md.InvalidArgumentError, match="topk_ids"):
+            layer(x, tw, ids)
+        # The kernel saw the bad id only when it declared that it checks ids itself, and it
+        # was not blamed for the caller's error either way.
+        assert any(bad in row for rows in backend.seen_ids for row in rows) == validates
+        assert layer.demotions == () and layer.backend == "indexing"
+
+
+def test_negative_ids_never_reach_a_backend_that_does_not_check_them():
+    backend = IndexingBackend()
+    with md.use_registry(_registry(md.BackendSpec("indexing", 50, backend))):
+        layer = md.MoELayer(CFG).load_weights(**random_weights(CFG)).prepare()
+        x, tw, ids = random_routing(CFG, 3)
+        ids[0, 0] = -1  # w13[-1] would silently be the last expert
+        with pytest.raises(md.InvalidArgumentError, match="topk_ids"):
+            layer(x, tw, ids)
+        assert backend.seen_ids == []
+
+
+def test_validates_ids_must_be_a_bool():
+    with pytest.raises(TypeError, match="validates_ids"):
+        md.BackendSpec("x", 1, IndexingBackend(), validates_ids="yes")
