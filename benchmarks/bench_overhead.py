@@ -1,0 +1,97 @@
+"""Where the framework's time goes at decode: MoELayer versus the raw kernel, step by step.
+
+Usage:
+    .venv/bin/python benchmarks/bench_overhead.py [--config C2] [--dtype bfloat16] [--pairs 1000]
+
+At T=1 each candidate is timed in pairs with a baseline on the same prepared weights (the
+raw zentorch op, or the backend's apply; the order inside a pair alternates; rows are
+interleaved so the machine's drift hits all alike). Reported: the median of (candidate -
+baseline) in microseconds and of candidate / baseline. Rows, each adding one layer of the
+real call path:
+
+- raw (control): the op called again, as a user would (`torch.ops.zentorch.zentorch_fused_moe`);
+- op + lock: the cached overload under the backend's process-wide lock;
+- backend.apply: the zentorch backend's whole call (its dtype, contiguity and duplicate-id
+  checks, then the op);
+- MoELayer: the layer as an engine calls it (hooks check, input checks, version check);
+- and MoELayer paired with backend.apply: what the framework alone adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import moe_dispatch as md
+from moe_dispatch._bench import random_inputs, random_weights
+
+from bench_backends import raw_zentorch
+from bench_perf import CONFIGS
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="C2", choices=sorted(CONFIGS))
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--pairs", type=int, default=1000, help="pairs per candidate")
+    args = p.parse_args(argv)
+    config = md.MoEConfig(**CONFIGS[args.config], dtype=getattr(torch, args.dtype))
+    layer = md.MoELayer(config).load_weights(**random_weights(config)).prepare()
+    if layer.backend != "zentorch":
+        print(f"the layer runs {layer.backend!r}; this breakdown is for zentorch", file=sys.stderr)
+        return 1
+    from moe_dispatch_backends.zentorch_fused import _OP_LOCK
+
+    rec, state = layer._active
+    raw = raw_zentorch(layer)
+
+    def op_and_lock(x, tw, ids):
+        out = torch.empty_like(x)
+        with _OP_LOCK:
+            state.op(out, x, state.w13, state.w2, None, None, tw, ids, False, state.act)
+        return out
+
+    apply = lambda x, tw, ids: rec.spec.backend.apply(state, x, tw, ids)  # noqa: E731
+    # (label, candidate, baseline): each candidate is timed in pairs with its baseline.
+    rows = [("raw op (control)", raw, raw), ("op + lock", op_and_lock, raw),
+            ("backend.apply", apply, raw), ("MoELayer", layer, raw),
+            ("MoELayer over backend.apply (the framework alone)", layer, apply)]
+    inputs = random_inputs(config, 1, pool=8, seed=99)
+    for _, fn, _ in rows:
+        fn(*inputs[0])
+    diffs: list[list[float]] = [[] for _ in rows]
+    ratios: list[list[float]] = [[] for _ in rows]
+    base_ms = []
+    for i in range(args.pairs * len(rows)):
+        j = i % len(rows)
+        _, fn, base = rows[j]
+        x, tw, ids = inputs[i % len(inputs)]
+        base_first = (i // len(rows)) % 2 == 0
+        first, second = (base, fn) if base_first else (fn, base)
+        t0 = time.perf_counter()
+        first(x, tw, ids)
+        t1 = time.perf_counter()
+        second(x, tw, ids)
+        t2 = time.perf_counter()
+        t_base, t_fn = (t1 - t0, t2 - t1) if base_first else (t2 - t1, t1 - t0)
+        diffs[j].append((t_fn - t_base) * 1e6)
+        ratios[j].append(t_fn / t_base)
+        if j == 0:
+            base_ms.append(t_base * 1e3)
+    print(f"{config.describe()}, T=1, {args.pairs} pairs per row; raw op median "
+          f"{statistics.median(base_ms):.3f} ms")
+    print()
+    print("| path | baseline | extra us per call (median) | ratio (median) |")
+    print("| --- | --- | ---: | ---: |")
+    for (label, _, base), d, r in zip(rows, diffs, ratios):
+        print(f"| {label} | {'backend.apply' if base is apply else 'raw op'} | "
+              f"{statistics.median(d):.0f} | {statistics.median(r):.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
