@@ -36,10 +36,11 @@ from typing import Any
 
 import attrs
 import torch
+import torch.nn.functional as F
 
 import moe_dispatch as md
 from moe_dispatch._validation import SMALL_IDS, has_duplicate_in_row, id_range
-from moe_dispatch_backends.torch_loop import moe_loop
+from moe_dispatch_backends.torch_loop import gated_activation, grouped_by_expert
 
 NAME = "zentorch"
 PRIORITY = 400
@@ -347,11 +348,16 @@ def _warm_up_and_check(state: ZentorchState, weights: md.LayerWeights) -> float 
     x = torch.randn(tokens, config.hidden_size, generator=gen).to(config.dtype)
     tw = torch.rand(tokens, k, generator=gen) + 0.5
     got = run_op(state, x, tw, ids).to(torch.float64)
-    fp32 = md.LayerWeights(
-        config, weights.w13.float(), weights.w2.float(),
-        weights.w13_bias.float() if weights.w13_bias is not None else None,
-        weights.w2_bias.float() if weights.w2_bias is not None else None)
-    want = moe_loop(fp32, x.float(), tw, ids).to(torch.float64)
+    w13, w2, b13, b2 = weights.w13, weights.w2, weights.w13_bias, weights.w2_bias
+
+    def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
+        # One expert at a time in float32: converting the whole bf16 layer at once would
+        # add 2x its bytes to the peak of prepare() (measured 4.09x -> see performance.md).
+        h = F.linear(xe, w13[e].float(), b13[e].float() if b13 is not None else None)
+        return F.linear(gated_activation(h, config.activation), w2[e].float(),
+                        b2[e].float() if b2 is not None else None)
+
+    want = grouped_by_expert(config, x.float(), tw, ids, expert).to(torch.float64)
     err = float((got - want).norm() / want.norm().clamp_min(1e-30))
     return None if err <= SELF_CHECK_TOL[config.dtype] else err
 

@@ -81,7 +81,7 @@ def overhead(layer: md.MoELayer, raw, config: md.MoEConfig, pairs: int = 1000) -
 
 def reps_for(tokens: int, reps: int) -> int:
     """More rounds where calls are cheap: small T is where noise matters most."""
-    return reps * 4 if tokens <= 8 else reps
+    return reps * 4 if tokens <= 8 else reps * 2 if tokens <= 128 else reps
 
 
 def main(argv: list[str] | None = None) -> int:
