@@ -10,7 +10,7 @@ import torch
 
 import moe_dispatch as md
 from helpers import TOLERANCE, random_routing, random_weights, reference, rel_error
-from moe_dispatch._tuning import bucket_index, bucket_sizes
+from moe_dispatch._tuning import bucket_index, bucket_sizes, pick_winner
 
 CFG = md.MoEConfig(8, 2, 64, 32, dtype=torch.float32)
 
@@ -20,6 +20,14 @@ def test_buckets_and_lookup():
     assert bucket_sizes(100) == [1, 2, 4, 8, 16, 32, 64, 100]
     n = 10
     assert [bucket_index(t, n) for t in (1, 2, 3, 4, 5, 512, 513, 10_000)] == [0, 1, 2, 2, 3, 9, 9, 9]
+
+
+def test_winner_rule_keeps_the_priority_choice_in_a_near_tie():
+    assert pick_winner({"zentorch": 10.1, "onednn": 10.0}, "zentorch") == "zentorch"  # 1%: tie
+    assert pick_winner({"zentorch": 10.5, "onednn": 10.0}, "zentorch") == "onednn"  # 5%: switch
+    assert pick_winner({"zentorch": 10.0, "onednn": 10.0}, "onednn") == "onednn"
+    assert pick_winner({"a": 3.0, "b": 3.0}, "gone") == "a"  # exact tie: by name
+    assert pick_winner({"a": 3.0, "b": 2.0}, "a", margin=0.6) == "a"
 
 
 def test_policy_argument_and_env_validated(monkeypatch):
