@@ -74,7 +74,8 @@ class MoELayer(torch.nn.Module):
     ``policy`` (or env ``MOE_DISPATCH_POLICY``): ``"priority"`` (default) runs the resolver's
     choice; ``"fastest"`` times the accepting backends at ``prepare()`` per power-of-two
     token bucket (up to ``tune_max_tokens``, within ``tune_budget_s``) and runs each bucket's
-    winner (another backend replaces the priority choice only when it is more than 2% faster). It keeps the prepared state of every backend that wins a bucket, so memory grows
+    winner (another backend replaces the priority choice only when it is more than 2%
+    faster). It keeps the prepared state of every backend that wins a bucket, so memory grows
     with the number of distinct winners; ``max_candidates`` caps how many backends are tried.
     Tuned tables persist in ``tuning_cache`` (default: env ``MOE_DISPATCH_TUNING_CACHE`` or
     ``~/.cache/moe-dispatch/tuning.json``; ``False`` disables persistence).
