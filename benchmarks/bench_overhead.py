@@ -14,7 +14,12 @@ real call path:
 - backend.apply: the zentorch backend's whole call (its dtype, contiguity and duplicate-id
   checks, then the op);
 - MoELayer: the layer as an engine calls it (hooks check, input checks, version check);
-- and MoELayer paired with backend.apply: what the framework alone adds.
+- and MoELayer paired with backend.apply: what the framework alone adds;
+- and the layer called through torch's stock nn.Module.__call__, paired with MoELayer's own
+  __call__ (which skips the hook machinery when no hook is registered).
+
+Then it times a fixed probe (ten tensor attribute reads and one empty_like) warm, right after
+the op, and after a short sleep: the cold-cache cost every one of those paths pays.
 """
 
 from __future__ import annotations
@@ -56,10 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     apply = lambda x, tw, ids: rec.spec.backend.apply(state, x, tw, ids)  # noqa: E731
+    # What MoELayer.__call__ saves: the same layer called through torch's own __call__.
+    module_call = lambda x, tw, ids: torch.nn.Module.__call__(layer, x, tw, ids)  # noqa: E731
     # (label, candidate, baseline): each candidate is timed in pairs with its baseline.
     rows = [("raw op (control)", raw, raw), ("op + lock", op_and_lock, raw),
             ("backend.apply", apply, raw), ("MoELayer", layer, raw),
-            ("MoELayer over backend.apply (the framework alone)", layer, apply)]
+            ("MoELayer over backend.apply (the framework alone)", layer, apply),
+            ("stock nn.Module.__call__ over MoELayer.__call__", module_call, layer)]
     inputs = random_inputs(config, 1, pool=8, seed=99)
     for _, fn, _ in rows:
         fn(*inputs[0])
@@ -87,10 +95,36 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("| path | baseline | extra us per call (median) | ratio (median) |")
     print("| --- | --- | ---: | ---: |")
+    base_names = {id(raw): "raw op", id(apply): "backend.apply", id(layer): "MoELayer"}
     for (label, _, base), d, r in zip(rows, diffs, ratios):
-        print(f"| {label} | {'backend.apply' if base is apply else 'raw op'} | "
+        print(f"| {label} | {base_names[id(base)]} | "
               f"{statistics.median(d):.0f} | {statistics.median(r):.3f} |")
+    cold_probe(raw, inputs)
     return 0
+
+
+def cold_probe(raw, inputs: list, reps: int = 200) -> None:
+    """Why a few lines of Python cost tens of microseconds here: the same ten tensor
+    attribute reads and one empty_like, timed warm, right after the op, and after a sleep."""
+    def probe(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor) -> float:
+        t0 = time.perf_counter_ns()
+        x.shape, x.dtype, x.is_cpu, tw.shape, ids.shape, tw.dtype, ids.dtype, x._version
+        ids.numel(), x.is_contiguous(), torch.empty_like(x)
+        return (time.perf_counter_ns() - t0) / 1e3
+
+    before = {"warm (right after the same probe)": probe,
+              "right after the op": raw,
+              "after a 3 ms sleep": lambda *a: time.sleep(0.003)}
+    print()
+    print("| ten attribute reads + one empty_like | us (median) |")
+    print("| --- | ---: |")
+    for label, fn in before.items():
+        times = []
+        for i in range(reps):
+            args = inputs[i % len(inputs)]
+            fn(*args)
+            times.append(probe(*args))
+        print(f"| {label} | {statistics.median(times):.1f} |")
 
 
 if __name__ == "__main__":
