@@ -227,35 +227,50 @@ class MoELayer(torch.nn.Module):
 
     def _tune(self, final: Resolution, rec: BackendRecord, state: Any, weights: LayerWeights,
               build: Callable[[BackendRecord], Any]) -> None:
-        """policy="fastest": prepare the other accepting backends, time them per bucket (or
-        read the tuned table from the cache), and keep only the winners' states."""
+        """policy="fastest": read the tuned table from the cache, or prepare the other
+        accepting backends and time them per bucket; keep only the winners' states."""
         from ._registry import get_registry
         snap = get_registry().snapshot()
         caps = final.capabilities
-        prepared: dict[str, tuple[BackendRecord, Any]] = {rec.name: (rec, state)}
+        # The candidates: the resolver's choice, then every other backend that accepts the
+        # layer, up to max_candidates. Nothing else is prepared before the cache is read.
+        records: dict[str, BackendRecord] = {rec.name: rec}
         limit = self._tuning["max_candidates"]
         for cand in final.candidates:
-            if limit is not None and len(prepared) >= limit:
+            if limit is not None and len(records) >= limit:
                 break
-            if cand.name in prepared or cand.status not in (STANDBY, CHOSEN):
+            if cand.name in records or cand.status not in (STANDBY, CHOSEN):
                 continue
             other = snap.by_name(cand.name)
-            if not call_check(other, "supports_layer", weights, caps).accepted:
-                continue
-            try:
-                prepared[other.name] = (other, build(other))
-            except Exception as exc:  # a candidate that cannot prepare is simply not tuned
-                log.warning("moe-dispatch: %r could not be prepared for tuning (%s)", other.name, exc)
+            if call_check(other, "supports_layer", weights, caps).accepted:
+                records[other.name] = other
         sizes = bucket_sizes(self._tuning["cap"])
-        names = sorted(prepared)
+        names = sorted(records)
         cache_opt = self._tuning["cache"]
         cache = None if cache_opt is False else TuningCache(None if cache_opt in (None, True) else cache_opt)
-        key = tuning_key(self.config, caps, {n: prepared[n][0].spec.version for n in names})
+        key = tuning_key(self.config, caps, {n: records[n].spec.version for n in names})
         table = cache.get(key, names, sizes) if cache is not None else None
+        prepared: dict[str, tuple[BackendRecord, Any]] = {rec.name: (rec, state)}
+
+        def prepare_all(wanted: Iterable[str]) -> None:
+            for name in wanted:
+                if name in prepared:
+                    continue
+                try:
+                    prepared[name] = (records[name], build(records[name]))
+                except Exception as exc:  # a candidate that cannot prepare is not used
+                    log.warning("moe-dispatch: %r could not be prepared for tuning (%s)", name, exc)
+
         timings: dict[int, dict[str, float]] = {}
+        if table is not None:
+            # A cache hit prepares only the winners (memory and time).
+            prepare_all(sorted(set(table.values())))
+            if not set(table.values()) <= set(prepared):
+                table = None  # a cached winner no longer prepares: measure again
         if table is None:
+            prepare_all(names)
             runners = {n: (lambda x, tw, ids, _r=prepared[n]: _r[0].spec.backend.apply(_r[1], x, tw, ids))
-                       for n in names}
+                       for n in sorted(prepared)}
             table, timings = measure(runners, self.config, sizes, self._tuning["budget"], rec.name)
             if cache is not None:
                 cache.put(key, table, timings, self.config)

@@ -154,3 +154,71 @@ def test_module_compile_in_place():
     layer.compile(fullgraph=True, backend=counter)
     assert torch.equal(layer(x, tw, ids), eager)
     assert counter.frame_count == 1  # it really ran compiled
+
+
+def test_tuning_budget_spent_falls_back_to_the_priority_choice(caplog):
+    with caplog.at_level(logging.WARNING, logger="moe_dispatch"):
+        layer = md.MoELayer(CFG, policy="fastest", tune_max_tokens=8, tune_budget_s=0.0,
+                            tuning_cache=False)
+        layer.load_weights(**random_weights(CFG)).prepare()
+    assert set(layer.tuned_table.values()) == {layer.backend}
+    assert any("tuning budget" in r.message for r in caplog.records)
+
+
+def test_tuning_reports_progress_after_a_second(caplog):
+    """measure() logs one INFO line per bucket once tuning has run for more than a second."""
+    import time as _time
+
+    from moe_dispatch._tuning import measure
+
+    def slow(x, tw, ids):
+        _time.sleep(0.05)  # 2 runners x 6 calls x 50 ms: ~0.6 s per bucket
+        return x
+
+    with caplog.at_level(logging.INFO, logger="moe_dispatch"):
+        table, timings = measure({"a": slow, "b": slow}, CFG, [1, 2, 4], budget_s=60.0, default="a")
+    progress = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert progress and all("tuning" in m and "bucket" in m for m in progress)
+    assert "bucket 3/3 (T=4)" in progress[-1]
+    assert sorted(table) == [1, 2, 4] and set(timings) == {1, 2, 4}
+
+
+class _CountingLoop(md.BackendBase):
+    """The torch loop under another name, counting how often it is prepared."""
+
+    def __init__(self) -> None:
+        self.prepared = 0
+
+    def supports_config(self, config, capabilities):
+        return md.accept()
+
+    def process_weights(self, weights, capabilities):
+        self.prepared += 1
+        return weights
+
+    def apply(self, state, x, tw, ids):
+        from moe_dispatch_backends.torch_loop import moe_loop
+        return moe_loop(state, x, tw, ids)
+
+
+def test_a_cache_hit_prepares_only_the_winners(tmp_path):
+    a, b = _CountingLoop(), _CountingLoop()
+    reg = md.Registry(load_entry_points=False)
+    reg.register(md.BackendSpec("loop_a", 50, a))
+    reg.register(md.BackendSpec("loop_b", 40, b))
+    cache = tmp_path / "tuning.json"
+    w = random_weights(CFG)
+    with md.use_registry(reg):
+        md.MoELayer(CFG, policy="fastest", tune_max_tokens=2, tuning_cache=cache).load_weights(**w).prepare()
+        assert (a.prepared, b.prepared) == (1, 1)  # measured: both prepared
+        data = json.loads(cache.read_text())
+        entry = next(iter(data["entries"].values()))
+        for winners, b_prepared in ((["loop_a", "loop_a"], 1), (["loop_a", "loop_b"], 2)):
+            entry["buckets"] = {"1": winners[0], "2": winners[1]}
+            cache.write_text(json.dumps(data))
+            layer = md.MoELayer(CFG, policy="fastest", tune_max_tokens=2, tuning_cache=cache)
+            layer.load_weights(**w).prepare()
+            assert layer.tuned_table == {1: winners[0], 2: winners[1]}
+            assert b.prepared == b_prepared  # loop_b is prepared only when it won a bucket
+            x, tw, ids = random_routing(CFG, 2, seed=2)
+            assert rel_error(layer(x, tw, ids), reference(CFG, w, x, tw, ids)) <= TOLERANCE[torch.float32]
