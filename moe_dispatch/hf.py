@@ -23,6 +23,7 @@ any number is computed.
 
 from __future__ import annotations
 
+import operator
 import threading
 from typing import Any
 
@@ -35,6 +36,7 @@ from .hf_config import HF_ACTIVATIONS as _ACTIVATIONS
 
 NAME = "moe_dispatch"
 _LOCK = threading.Lock()
+_version_of = operator.attrgetter("_version")
 # Options for the layers this integration builds (MoELayer keyword arguments).
 LAYER_OPTIONS: dict[str, Any] = {}
 
@@ -127,7 +129,10 @@ def layer_for(module: torch.nn.Module) -> MoELayer:
 
     Rebuilt when the module's parameters are replaced or changed in place.
     """
-    key = tuple((id(p), p._version) for p in module.parameters(recurse=False))
+    # The module's own parameters, read from _parameters: module.parameters() walks them
+    # through named_members and a memo set, measured ~60 us per decode call here.
+    params = [p for p in module._parameters.values() if p is not None]
+    key = (tuple(map(id, params)), tuple(map(_version_of, params)))
     cached = getattr(module, "_moe_dispatch_layer", None)
     if cached is not None and cached[0] == key:
         return cached[1]
