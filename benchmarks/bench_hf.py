@@ -5,7 +5,8 @@ Usage: .venv/bin/python benchmarks/bench_hf.py [--dtype bfloat16] [--reps 9]
 Blocks: Qwen3-MoE-like (E=64, K=8, H=2048, I=768) and Mixtral-like (E=8, K=2, H=1024, I=1408),
 each an HF experts module with random weights, called as the model calls it
 (``experts(hidden_states, top_k_index, top_k_weights)``) with
-``config._experts_implementation`` switched between calls (round-robin, medians).
+``config._experts_implementation`` switched between calls (rounds in a shuffled order on
+the same input, medians).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import transformers
 
 import moe_dispatch as md
 import moe_dispatch.hf as mdhf
+from moe_dispatch._bench import time_rounds
 
 BLOCKS = {
     "qwen3_moe E=64 K=8 H=2048 I=768": lambda: transformers.Qwen3MoeConfig(
@@ -60,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{name}: moe_dispatch runs {backend!r} (built in {time.perf_counter() - t0:.1f} s)")
         print(f"| T | {' | '.join(IMPLS)} | moe_dispatch speedup vs faster HF |")
         print("|" + " ---: |" * (len(IMPLS) + 2))
+        def run(impl: str, cfg=cfg, mod=mod):
+            def call(*call_args):
+                cfg._experts_implementation = impl
+                return mod(*call_args)
+            return call
+
         for tokens in [int(t) for t in args.tokens.split(",")]:
             g = torch.Generator().manual_seed(tokens)
             pool = []
@@ -68,19 +76,11 @@ def main(argv: list[str] | None = None) -> int:
                 w, ids = md.select_experts(torch.randn(tokens, mod.num_experts, generator=g),
                                            cfg.num_experts_per_tok)
                 pool.append((x, ids.long(), w.to(dtype)))
-            samples = {i: [] for i in IMPLS}
-            reps = args.reps if tokens <= 128 else max(3, args.reps // 2)
+            # Rounds in a shuffled order, every implementation on the same input (_bench).
             with torch.no_grad():
-                for impl in IMPLS:  # warm-up
-                    cfg._experts_implementation = impl
-                    mod(*pool[0])
-                for rep in range(reps):
-                    for impl in IMPLS:
-                        cfg._experts_implementation = impl
-                        t0 = time.perf_counter()
-                        mod(*pool[rep % 3])
-                        samples[impl].append(time.perf_counter() - t0)
-            med = {i: statistics.median(v) * 1e3 for i, v in samples.items()}
+                samples = time_rounds({i: run(i) for i in IMPLS}, pool, args.reps, warmup=1,
+                                      seed=tokens)
+            med = {i: statistics.median(v) for i, v in samples.items()}
             best_hf = min(med["eager"], med["grouped_mm"])
             print(f"| {tokens} | " + " | ".join(f"{med[i]:.2f}" for i in IMPLS)
                   + f" | {best_hf / med['moe_dispatch']:.2f}x |", flush=True)
