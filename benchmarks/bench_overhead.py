@@ -32,7 +32,7 @@ import time
 import torch
 
 import moe_dispatch as md
-from moe_dispatch._bench import random_inputs, random_weights
+from moe_dispatch._bench import random_inputs, random_weights, time_pairs
 
 from bench_backends import raw_zentorch
 from bench_perf import CONFIGS
@@ -69,27 +69,10 @@ def main(argv: list[str] | None = None) -> int:
             ("MoELayer over backend.apply (the framework alone)", layer, apply),
             ("stock nn.Module.__call__ over MoELayer.__call__", module_call, layer)]
     inputs = random_inputs(config, 1, pool=8, seed=99)
-    for _, fn, _ in rows:
-        fn(*inputs[0])
-    diffs: list[list[float]] = [[] for _ in rows]
-    ratios: list[list[float]] = [[] for _ in rows]
-    base_ms = []
-    for i in range(args.pairs * len(rows)):
-        j = i % len(rows)
-        _, fn, base = rows[j]
-        x, tw, ids = inputs[i % len(inputs)]
-        base_first = (i // len(rows)) % 2 == 0
-        first, second = (base, fn) if base_first else (fn, base)
-        t0 = time.perf_counter()
-        first(x, tw, ids)
-        t1 = time.perf_counter()
-        second(x, tw, ids)
-        t2 = time.perf_counter()
-        t_base, t_fn = (t1 - t0, t2 - t1) if base_first else (t2 - t1, t1 - t0)
-        diffs[j].append((t_fn - t_base) * 1e6)
-        ratios[j].append(t_fn / t_base)
-        if j == 0:
-            base_ms.append(t_base * 1e3)
+    timed = time_pairs([(fn, base) for _, fn, base in rows], inputs, args.pairs)
+    diffs = [[(a - b) * 1e6 for a, b in zip(t_fn, t_base)] for t_fn, t_base in timed]
+    ratios = [[a / b for a, b in zip(t_fn, t_base)] for t_fn, t_base in timed]
+    base_ms = [b * 1e3 for b in timed[0][1]]
     print(f"{config.describe()}, T=1, {args.pairs} pairs per row; raw op median "
           f"{statistics.median(base_ms):.3f} ms")
     print()

@@ -26,7 +26,7 @@ import time
 import torch
 
 import moe_dispatch as md
-from moe_dispatch._bench import paired_ratio, random_inputs, random_weights, time_rounds
+from moe_dispatch._bench import paired_ratio, random_inputs, random_weights, time_pairs, time_rounds
 
 from bench_backends import raw_zentorch
 
@@ -60,23 +60,9 @@ def ceilings(dtype: torch.dtype) -> dict[str, float]:
 
 
 def overhead(layer: md.MoELayer, raw, config: md.MoEConfig, pairs: int = 1000) -> float:
-    """Median over interleaved pairs of (layer time / raw time) at T=1. The order inside a
-    pair alternates: the second call of a pair runs in a different cache state."""
-    inputs = random_inputs(config, 1, pool=8, seed=99)
-    for x, tw, ids in inputs[:2]:
-        raw(x, tw, ids), layer(x, tw, ids)
-    ratios = []
-    for i in range(pairs):
-        x, tw, ids = inputs[i % len(inputs)]
-        first, second = (raw, layer) if i % 2 == 0 else (layer, raw)
-        t0 = time.perf_counter()
-        first(x, tw, ids)
-        t1 = time.perf_counter()
-        second(x, tw, ids)
-        t2 = time.perf_counter()
-        t_raw, t_layer = (t1 - t0, t2 - t1) if i % 2 == 0 else (t2 - t1, t1 - t0)
-        ratios.append(t_layer / t_raw)
-    return statistics.median(ratios)
+    """Median over interleaved pairs of (layer time / raw time) at T=1 (_bench.time_pairs)."""
+    [(t_layer, t_raw)] = time_pairs([(layer, raw)], random_inputs(config, 1, pool=8, seed=99), pairs)
+    return statistics.median(a / b for a, b in zip(t_layer, t_raw))
 
 
 def reps_for(tokens: int, reps: int) -> int:

@@ -91,6 +91,32 @@ def time_side_by_side(fns: dict[str, Runner], inputs: list, reps: int, warmup: i
     return {n: statistics.median(v) for n, v in time_rounds(fns, inputs, reps, warmup).items()}
 
 
+def time_pairs(rows: list[tuple[Runner, Runner]], inputs: list, pairs: int
+               ) -> list[tuple[list[float], list[float]]]:
+    """Back-to-back calls of each (candidate, baseline) row: ``pairs`` pairs per row, the
+    order inside a pair alternating (the second call of a pair runs in another cache state),
+    rows interleaved (the machine's drift hits every row alike). Returns, per row, the
+    candidate's and the baseline's seconds, pair by pair."""
+    for fn, base in rows:
+        fn(*inputs[0]), base(*inputs[0])
+    out: list[tuple[list[float], list[float]]] = [([], []) for _ in rows]
+    for i in range(pairs * len(rows)):
+        j = i % len(rows)
+        fn, base = rows[j]
+        args = inputs[i % len(inputs)]
+        base_first = (i // len(rows)) % 2 == 0
+        first, second = (base, fn) if base_first else (fn, base)
+        t0 = time.perf_counter()
+        first(*args)
+        t1 = time.perf_counter()
+        second(*args)
+        t2 = time.perf_counter()
+        t_base, t_fn = (t1 - t0, t2 - t1) if base_first else (t2 - t1, t1 - t0)
+        out[j][0].append(t_fn)
+        out[j][1].append(t_base)
+    return out
+
+
 def paired_ratio(samples: dict[str, list[float]], name: str, baseline: str) -> float:
     """Median over rounds of ``name``'s time over ``baseline``'s in the same round."""
     return statistics.median(a / b for a, b in zip(samples[name], samples[baseline]))
