@@ -270,7 +270,7 @@ def run_op(state: ZentorchState, hidden_states: torch.Tensor, topk_weights: torc
     if (state.plain and topk_ids.dtype is _I32 and topk_weights.dtype is _F32
             and hidden_states.shape[0] * k <= SMALL_IDS and hidden_states.is_contiguous()
             and topk_ids.is_contiguous() and topk_weights.is_contiguous()):
-        for row in topk_ids.tolist():
+        for row in topk_ids.tolist():  # has_duplicate_in_row's small case, inlined (cost)
             if len(set(row)) != k:
                 break
         else:  # int32, float32, contiguous, no repeated id in a row, top_k > 1: as is

@@ -23,7 +23,6 @@ any number is computed.
 
 from __future__ import annotations
 
-import operator
 import threading
 from typing import Any
 
@@ -31,12 +30,11 @@ import torch
 
 from ._config import Activation, MoEConfig
 from ._errors import MoEDispatchError
-from ._layer import MoELayer
+from ._layer import MoELayer, _version_of
 from .hf_config import HF_ACTIVATIONS as _ACTIVATIONS
 
 NAME = "moe_dispatch"
 _LOCK = threading.Lock()
-_version_of = operator.attrgetter("_version")
 # Options for the layers this integration builds (MoELayer keyword arguments).
 LAYER_OPTIONS: dict[str, Any] = {}
 
