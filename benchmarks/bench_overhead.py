@@ -16,7 +16,9 @@ real call path:
 - MoELayer: the layer as an engine calls it (hooks check, input checks, version check);
 - and MoELayer paired with backend.apply: what the framework alone adds;
 - and the layer called through torch's stock nn.Module.__call__, paired with MoELayer's own
-  __call__ (which skips the hook machinery when no hook is registered).
+  __call__ (which skips the hook machinery when no hook is registered);
+- and a layer that also checks the id range on the fast path (what a backend without
+  BackendSpec.validates_ids gets), paired with the zentorch layer, which skips it.
 
 Then it times a fixed probe (ten tensor attribute reads and one empty_like) warm, right after
 the op, and after a short sleep: the cold-cache cost every one of those paths pays.
@@ -63,11 +65,18 @@ def main(argv: list[str] | None = None) -> int:
     apply = lambda x, tw, ids: rec.spec.backend.apply(state, x, tw, ids)  # noqa: E731
     # What MoELayer.__call__ saves: the same layer called through torch's own __call__.
     module_call = lambda x, tw, ids: torch.nn.Module.__call__(layer, x, tw, ids)  # noqa: E731
+    # What BackendSpec.validates_ids saves: a second layer on the same prepared state whose
+    # fast path does the id range check, as for a backend that does not declare it. (It
+    # borrows the first layer's fast-path constants, the last of which is that flag; it is
+    # never prepared itself, which is fine for valid inputs.)
+    checking = md.MoELayer(config)
+    checking._fast = layer._fast[:-1] + (True,)
     # (label, candidate, baseline): each candidate is timed in pairs with its baseline.
     rows = [("raw op (control)", raw, raw), ("op + lock", op_and_lock, raw),
             ("backend.apply", apply, raw), ("MoELayer", layer, raw),
             ("MoELayer over backend.apply (the framework alone)", layer, apply),
-            ("stock nn.Module.__call__ over MoELayer.__call__", module_call, layer)]
+            ("stock nn.Module.__call__ over MoELayer.__call__", module_call, layer),
+            ("the layer's id range check (validates_ids=False)", checking, layer)]
     inputs = random_inputs(config, 1, pool=8, seed=99)
     timed = time_pairs([(fn, base) for _, fn, base in rows], inputs, args.pairs)
     diffs = [[(a - b) * 1e6 for a, b in zip(t_fn, t_base)] for t_fn, t_base in timed]
