@@ -23,7 +23,7 @@ from ._resolver import DEMOTED, STANDBY, CHOSEN, Resolution, call_check, resolve
 from ._compile import register_layer
 from ._tuning import POLICIES, TuningCache, bucket_index, bucket_sizes, measure, tuning_key
 from ._spec import LayerWeights
-from ._validation import SMALL_IDS, check_forward, check_weights, id_range
+from ._validation import check_forward, check_weights, id_range
 
 _Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling  # bound once: one lookup less per call
@@ -374,11 +374,7 @@ class MoELayer(torch.nn.Module):
                     and hidden_states.is_cpu and topk_weights.is_cpu and topk_ids.is_cpu
                     and tuple(map(_version_of, tensors)) == versions):
                 if check_ids:
-                    if shape[0] * top_k <= SMALL_IDS:  # map(): no Python frame per row
-                        rows = topk_ids.tolist()
-                        lo, hi = min(map(min, rows)), max(map(max, rows))
-                    else:
-                        lo, hi = id_range(topk_ids)
+                    lo, hi = id_range(topk_ids)
                     if lo < 0 or hi >= experts:
                         return self._forward_checked(hidden_states, topk_weights, topk_ids)
                 if table is not None:

@@ -18,10 +18,11 @@ SMALL_IDS = 256
 
 
 def id_range(ids: torch.Tensor) -> tuple[int, int]:
-    """(min, max) of a non-empty id tensor."""
-    if ids.numel() <= SMALL_IDS:
-        flat = ids.flatten().tolist()
-        return min(flat), max(flat)
+    """(min, max) of a non-empty ``[T, K]`` id tensor."""
+    tokens, top_k = ids.shape  # not numel(): one torch entry point less on the forward path
+    if tokens * top_k <= SMALL_IDS:
+        rows = ids.tolist()
+        return min(map(min, rows)), max(map(max, rows))  # map(): no Python frame per row
     lo, hi = torch.aminmax(ids)
     return int(lo), int(hi)
 
