@@ -28,13 +28,17 @@ makes every trap unreachable:
   garbage for I >= 768, a segfault at H=1024, I=1408): bf16 is gated on avx512_bf16.
 - **It is not thread-safe** (concurrent calls return garbage): calls are serialised.
 - **The first call packs every expert** (seconds): prepare() runs it.
+
+At decode the Python around the op costs 1.5-5% of it (cold caches after the op): plain
+calls take a C++ entry (``zentorch_native.cpp``, built on first use; ``fast_call``), and
+everything else this module's Python path.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import torch
@@ -42,6 +46,7 @@ import torch.nn.functional as F
 
 import moe_dispatch as md
 from moe_dispatch._validation import SMALL_IDS, has_duplicate_in_row, id_range
+from moe_dispatch_backends import zentorch_native
 from moe_dispatch_backends.torch_loop import gated_activation, grouped_by_expert
 
 NAME = "zentorch"
@@ -93,8 +98,24 @@ _BURNED: set[int] = set()
 
 # The op is not thread-safe: measured here, 8 threads calling it concurrently on shared
 # layers got 2054 of 2400 outputs wrong (relative error up to 3e36). Calls are serialised
-# process-wide (the op already uses every core through OpenMP, so little is lost).
+# process-wide (the op already uses every core through OpenMP, so little is lost): by the
+# native module's mutex when it is loaded, else by this lock. Which one is decided once per
+# process, before this backend's first op call (op_caller), so two locks never coexist.
 _OP_LOCK = threading.Lock()
+
+
+def op_caller() -> Callable[..., None]:
+    """The serialised op call: ``call(out, x, w13, w2, w13_bias, w2_bias, topk_weights,
+    topk_ids, skip_weighted, act)``."""
+    native = zentorch_native.load()
+    if native is not None:
+        return native.run_op
+    op = torch.ops.zentorch.zentorch_fused_moe.default
+
+    def call(*args: Any) -> None:
+        with _OP_LOCK:
+            op(*args)
+    return call
 
 
 def _addresses(t: torch.Tensor) -> set[int]:
@@ -147,8 +168,8 @@ class ZentorchState:
     w13_bias: torch.Tensor | None
     w2_bias: torch.Tensor | None
     act: str
-    # The op's overload, resolved once (attribute lookups on torch.ops cost per call).
-    op: Any = attrs.field(repr=False)
+    # The serialised op call (op_caller), resolved once: lookups on torch.ops cost per call.
+    call: Callable[..., None] = attrs.field(repr=False)
     # top_k > 1 and the router weight applied after the experts: no call needs rewriting
     # for the op's single-active-expert refusal or for skip_weighted.
     plain: bool = attrs.field(init=False)
@@ -242,7 +263,7 @@ class ZentorchBackend(md.BackendBase):
                     config, own(weights.w13), own(weights.w2),
                     own(weights.w13_bias) if weights.w13_bias is not None else None,
                     own(weights.w2_bias) if weights.w2_bias is not None else None,
-                    config.activation.value, torch.ops.zentorch.zentorch_fused_moe.default)
+                    config.activation.value, op_caller())
                 _burn(state.w13, state.w2, state.w13_bias, state.w2_bias)
                 error = _warm_up_and_check(state, weights)
                 if error is None:
@@ -253,6 +274,18 @@ class ZentorchBackend(md.BackendBase):
     def apply(self, state: ZentorchState, hidden_states: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return run_op(state, hidden_states, topk_weights, topk_ids)
+
+    def fast_call(self, state: ZentorchState, guard: md.FastGuard) -> Any:
+        """The C++ entry for plain calls (int32 ids, float32 weights, contiguous, no id
+        repeated in a row), or None without the native module or for a config whose calls
+        need rewriting (top_k == 1, router weight on input)."""
+        native = zentorch_native.load()
+        if native is None or not state.plain:
+            return None
+        c = state.config
+        return native.FastCall(state.w13, state.w2, state.w13_bias, state.w2_bias, state.act,
+                               c.hidden_size, c.top_k, c.num_experts, c.dtype,
+                               list(guard.watched), list(guard.versions))
 
 
 _I32, _F32 = torch.int32, torch.float32
@@ -275,9 +308,8 @@ def run_op(state: ZentorchState, hidden_states: torch.Tensor, topk_weights: torc
                 break
         else:  # int32, float32, contiguous, no repeated id in a row, top_k > 1: as is
             out = torch.empty_like(hidden_states)
-            with _OP_LOCK:
-                state.op(out, hidden_states, state.w13, state.w2, state.w13_bias, state.w2_bias,
-                         topk_weights, topk_ids, False, state.act)
+            state.call(out, hidden_states, state.w13, state.w2, state.w13_bias, state.w2_bias,
+                       topk_weights, topk_ids, False, state.act)
             return out
     return _run_op_general(state, hidden_states, topk_weights, topk_ids)
 
@@ -311,9 +343,8 @@ def _run_op_general(state: ZentorchState, hidden_states: torch.Tensor,
             ids = torch.cat([ids, ids.new_full((1, 1), other)])
             weights = torch.cat([weights, weights.new_zeros(1, 1)])
     out = torch.empty_like(x)
-    with _OP_LOCK:
-        state.op(out, x, state.w13, state.w2, state.w13_bias, state.w2_bias, weights, ids,
-                 skip, state.act)
+    state.call(out, x, state.w13, state.w2, state.w13_bias, state.w2_bias, weights, ids, skip,
+               state.act)
     return out if out.shape[0] == tokens else out[:tokens]
 
 

@@ -10,15 +10,18 @@ baseline) in microseconds and of candidate / baseline. Rows, each adding one lay
 real call path:
 
 - raw (control): the op called again, as a user would (`torch.ops.zentorch.zentorch_fused_moe`);
-- op + lock: the cached overload under the backend's process-wide lock;
-- backend.apply: the zentorch backend's whole call (its dtype, contiguity and duplicate-id
-  checks, then the op);
-- MoELayer: the layer as an engine calls it (hooks check, input checks, version check);
-- and MoELayer paired with backend.apply: what the framework alone adds;
-- and the layer called through torch's stock nn.Module.__call__, paired with MoELayer's own
-  __call__ (which skips the hook machinery when no hook is registered);
-- and a layer that also checks the id range on the fast path (what a backend without
-  BackendSpec.validates_ids gets), paired with the zentorch layer, which skips it.
+- op + lock: the op through the backend's serialised call (the native module's mutex when it
+  is loaded, else a Python lock);
+- backend.apply (Python): the zentorch backend's Python call (its dtype, contiguity and
+  duplicate-id checks, then the op);
+- MoELayer: the layer as an engine calls it: on a plain call, its hooks check and then the
+  backend's C++ entry (zentorch_native.cpp), which does every check and the op call;
+- MoELayer, Python path: the layer without that entry (what runs where the C++ module
+  cannot be built), over the raw op and over backend.apply (the framework alone);
+- the layer called through torch's stock nn.Module.__call__, paired with the Python path
+  (what MoELayer.__call__'s hook shortcut saves);
+- and a layer that also checks the id range on the Python path (what a backend without
+  BackendSpec.validates_ids gets), paired with the Python path, which skips it.
 
 Then it times a fixed probe (ten tensor attribute reads and one empty_like) warm, right after
 the op, and after a short sleep: the cold-cache cost every one of those paths pays.
@@ -51,15 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     if layer.backend != "zentorch":
         print(f"the layer runs {layer.backend!r}; this breakdown is for zentorch", file=sys.stderr)
         return 1
-    from moe_dispatch_backends.zentorch_fused import _OP_LOCK
+    from moe_dispatch_backends import zentorch_native
 
+    print(f"zentorch native path: {zentorch_native.status()}")
     rec, state = layer._active
     raw = raw_zentorch(layer)
 
     def op_and_lock(x, tw, ids):
         out = torch.empty_like(x)
-        with _OP_LOCK:
-            state.op(out, x, state.w13, state.w2, None, None, tw, ids, False, state.act)
+        state.call(out, x, state.w13, state.w2, None, None, tw, ids, False, state.act)
         return out
 
     apply = lambda x, tw, ids: rec.spec.backend.apply(state, x, tw, ids)  # noqa: E731
@@ -72,11 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     checking = md.MoELayer(config)
     checking._fast = layer._fast[:-1] + (True,)
     # (label, candidate, baseline): each candidate is timed in pairs with its baseline.
+    # The layer without its native entry: what runs where the C++ module cannot be built.
+    python_path = layer._forward_eager
     rows = [("raw op (control)", raw, raw), ("op + lock", op_and_lock, raw),
-            ("backend.apply", apply, raw), ("MoELayer", layer, raw),
-            ("MoELayer over backend.apply (the framework alone)", layer, apply),
-            ("stock nn.Module.__call__ over MoELayer.__call__", module_call, layer),
-            ("the layer's id range check (validates_ids=False)", checking, layer)]
+            ("backend.apply (Python)", apply, raw), ("MoELayer", layer, raw),
+            ("MoELayer, Python path (no native entry)", python_path, raw),
+            ("MoELayer's Python path over backend.apply (the framework alone)", python_path, apply),
+            ("stock nn.Module.__call__ over the Python path", module_call, python_path),
+            ("the layer's id range check (validates_ids=False)", checking, python_path)]
     inputs = random_inputs(config, 1, pool=8, seed=99)
     timed = time_pairs([(fn, base) for _, fn, base in rows], inputs, args.pairs)
     diffs = [[(a - b) * 1e6 for a, b in zip(t_fn, t_base)] for t_fn, t_base in timed]
@@ -87,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("| path | baseline | extra us per call (median) | ratio (median) |")
     print("| --- | --- | ---: | ---: |")
-    base_names = {id(raw): "raw op", id(apply): "backend.apply", id(layer): "MoELayer"}
+    base_names = {id(raw): "raw op", id(apply): "backend.apply (Python)",
+                  id(python_path): "Python path"}
     for (label, _, base), d, r in zip(rows, diffs, ratios):
         print(f"| {label} | {base_names[id(base)]} | "
               f"{statistics.median(d):.0f} | {statistics.median(r):.3f} |")

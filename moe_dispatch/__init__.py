@@ -18,8 +18,8 @@ from ._compile import moe_experts
 from ._layer import Demotion, MoELayer
 from ._registry import PluginFailure, Registry, get_registry, use_registry
 from ._resolver import Candidate, Resolution, clear_cache, explain, resolve
-from ._spec import (ENTRY_POINT_GROUP, Backend, BackendBase, BackendSpec, LayerWeights,
-                    hookimpl, hookspec)
+from ._spec import (ENTRY_POINT_GROUP, Backend, BackendBase, BackendSpec, FastGuard,
+                    LayerWeights, hookimpl, hookspec)
 from .routing import select_experts
 
 __version__ = "0.1.0"
@@ -52,7 +52,7 @@ def reload_plugins() -> None:
 
 __all__ = [
     "Activation", "Backend", "BackendBase", "BackendRejectedError", "BackendSpec", "Candidate",
-    "Capabilities", "Decision", "Demotion", "ENTRY_POINT_GROUP", "InvalidArgumentError",
+    "Capabilities", "Decision", "Demotion", "ENTRY_POINT_GROUP", "FastGuard", "InvalidArgumentError",
     "InvalidTypeError", "KernelError", "LayerStateError", "LayerWeights", "MoEConfig",
     "MoEDispatchError", "MoELayer", "NoBackendError", "PluginError", "PluginFailure",
     "Registry", "Resolution", "UnknownBackendError", "WeightsModifiedError", "accept",

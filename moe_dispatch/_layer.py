@@ -22,7 +22,7 @@ from ._registry import BackendRecord
 from ._resolver import DEMOTED, STANDBY, CHOSEN, Resolution, call_check, resolve, resolve_layer
 from ._compile import register_layer
 from ._tuning import POLICIES, TuningCache, bucket_index, bucket_sizes, measure, tuning_key
-from ._spec import LayerWeights
+from ._spec import FastGuard, LayerWeights
 from ._validation import check_forward, check_weights, id_range
 
 _Tensor = torch.Tensor
@@ -134,6 +134,8 @@ class MoELayer(torch.nn.Module):
         self._handle = register_layer(self)
         # The forward fast path's constants, set by prepare() (None: use the checked path).
         self._fast: tuple | None = None
+        # The backend's native entry for plain calls (BackendBase.fast_call), or None.
+        self._native: Callable[..., torch.Tensor | None] | None = None
 
     # -- loading -------------------------------------------------------------------
     def load_weights(self, w13: torch.Tensor, w2: torch.Tensor,
@@ -151,7 +153,7 @@ class MoELayer(torch.nn.Module):
         with self._lock:
             self._weights = weights
             self._weak_weights = None
-            self._fast = None
+            self._fast = self._native = None
             self._active = None
             self._resolution = None
             self._versions = ()
@@ -210,7 +212,7 @@ class MoELayer(torch.nn.Module):
                 self._versions = tuple((n, weakref.ref(t), t._version) for n, t in weights.tensors())
                 self._weak_weights = tuple((n, weakref.ref(t)) for n, t in weights.tensors())
                 self._weights = None
-            self._fast = None
+            self._fast = self._native = None
             if self.keep_canonical:
                 c = self.config
                 tensors = tuple(t for _, t in weights.tensors())
@@ -220,10 +222,30 @@ class MoELayer(torch.nn.Module):
                 # The id range check can be left to the kernels only when every backend this
                 # layer may run rejects bad ids itself (BackendSpec.validates_ids).
                 check_ids = not all(r.spec.validates_ids for r in chosen)
-                self._fast = (rec, rec.spec.backend.apply, state, table, tensors,
-                              tuple(t._version for t in tensors), c.hidden_size, c.top_k,
-                              c.num_experts, c.dtype, check_ids)
+                versions = tuple(t._version for t in tensors)
+                self._fast = (rec, rec.spec.backend.apply, state, table, tensors, versions,
+                              c.hidden_size, c.top_k, c.num_experts, c.dtype, check_ids)
+                # A native entry only when one backend serves every token count (a tuned
+                # table with a single winner included).
+                single = {id(s): (r, s) for r, s in self._table} if self._table else {}
+                if len(single) <= 1:
+                    r, s = next(iter(single.values())) if single else (rec, state)
+                    self._native = self._native_entry(r, s, FastGuard(tensors, versions))
         return self
+
+    @staticmethod
+    def _native_entry(rec: BackendRecord, state: Any, guard: FastGuard
+                      ) -> Callable[..., torch.Tensor | None] | None:
+        fast_call = getattr(rec.spec.backend, "fast_call", None)
+        if fast_call is None:
+            return None
+        try:
+            entry = fast_call(state, guard)
+        except Exception as exc:  # an optional accelerator: its failure costs speed only
+            log.warning("moe-dispatch: backend %r's fast_call failed (%s: %s); its Python path "
+                        "runs", rec.name, type(exc).__name__, exc)
+            return None
+        return entry if callable(entry) else None
 
     def _tune(self, final: Resolution, rec: BackendRecord, state: Any, weights: LayerWeights,
               build: Callable[[BackendRecord], Any]) -> None:
@@ -316,6 +338,9 @@ class MoELayer(torch.nn.Module):
         text = self.resolution.explain()
         if not self.prepared:
             text += "\n(config stage only: call prepare() for the layer-level decision)"
+        elif self._native is not None:
+            text += ("\nforward: plain calls take the backend's native entry (fast_call); "
+                     "others the Python path")
         if self._tuned:
             lines = ["", "policy=fastest, tuned per token bucket (T <= bucket):"]
             for t, row in self._tuned.items():
@@ -343,7 +368,29 @@ class MoELayer(torch.nn.Module):
                 or _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or _GLOBAL_HOOKS[2] or _GLOBAL_HOOKS[3]
                 or _is_compiling() or _tracing_state()):
             return super().__call__(*args, **kwargs)
+        native = self._native
+        if native is not None and len(args) == 3 and not kwargs:
+            # The backend's native entry: the whole plain call in compiled code (it declines,
+            # with None, anything it cannot prove plain; the Python path below handles it).
+            try:
+                out = native(*args)
+            except Exception as exc:
+                return self._native_failed(exc, *args)
+            if out is not None:
+                return out
         return self._forward_eager(*args, **kwargs)
+
+    def _native_failed(self, exc: Exception, hidden_states: torch.Tensor,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        # The entry checked the inputs before the kernel ran, so this is the kernel's (or
+        # the entry's) failure; check_forward first all the same: the caller's bad input
+        # must never demote a backend.
+        fast = self._fast
+        if fast is None:  # prepared again by another thread meanwhile
+            return self._forward_eager(hidden_states, topk_weights, topk_ids)
+        check_forward(self.config, hidden_states, topk_weights, topk_ids)
+        rec = fast[0] if fast[3] is None else fast[3][0][0]
+        return self._fall_back(rec, exc, hidden_states, topk_weights, topk_ids)
 
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
@@ -460,7 +507,7 @@ class MoELayer(torch.nn.Module):
                             "demoted for this layer and the next accepting backend takes over",
                             rec.name, self.config.describe(), error)
                 self._demotions.append(Demotion(rec.name, error))
-                self._active = self._fast = None
+                self._active = self._fast = self._native = None
                 self._table = self._tuned = None  # back to the priority path for this layer
                 try:
                     self.prepare()

@@ -73,11 +73,39 @@ class Backend(Protocol):
         """Run the layer. ``hidden_states`` has been validated; ids are in ``[0, E)``."""
 
 
+@attrs.frozen(slots=True, eq=False)
+class FastGuard:
+    """What a backend's optional ``fast_call`` must check on every call, besides the inputs.
+
+    ``watched``: the caller's canonical weight tensors; ``versions``: their ``_version`` at
+    ``prepare()``. A changed version means the caller modified the weights in place: the
+    call must be declined (the layer's checked path then raises WeightsModifiedError).
+    """
+
+    watched: tuple[torch.Tensor, ...]
+    versions: tuple[int, ...]
+
+
 class BackendBase:
     """Convenience base: accepts every layer the config check accepted."""
 
     def supports_layer(self, weights: LayerWeights, capabilities: "Capabilities") -> Decision:
         return accept()
+
+    def fast_call(self, state: Any, guard: FastGuard) -> Any:
+        """Optional native entry for the layer's plain calls; None (the default): none.
+
+        A backend may return a callable ``f(hidden_states, topk_weights, topk_ids)`` that
+        returns the layer's output, or None to decline the call, in which case the layer
+        runs its Python path (checks, precise errors, then ``apply``). ``f`` must decline
+        every call that is not exactly: three ``torch.Tensor`` (not subclasses), dense,
+        on the CPU; ``hidden_states`` 2-D ``[T, H]`` with T > 0 and the config's dtype;
+        the other two ``[T, top_k]``; every id in ``[0, num_experts)``; ``guard``'s
+        versions unchanged. Exceptions it raises are treated as a kernel failure.
+        Worth it only when the Python around the kernel is measurable (it is at decode:
+        docs/performance.md); the zentorch backend's is C++.
+        """
+        return None
 
 
 _REQUIRED_METHODS = ("supports_config", "supports_layer", "process_weights", "apply")

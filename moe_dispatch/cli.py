@@ -22,7 +22,8 @@ from ._resolver import resolve
 
 ENV_VARS = ("MOE_DISPATCH_BACKEND", "MOE_DISPATCH_DISABLE", "MOE_DISPATCH_PLUGINS",
             "MOE_DISPATCH_STRICT", "MOE_DISPATCH_POLICY", "MOE_DISPATCH_TUNING_CACHE",
-            "MOE_DISPATCH_NO_ZENTORCH", "ZENDNNL_MATMUL_WEIGHT_CACHE", "OMP_NUM_THREADS")
+            "MOE_DISPATCH_NO_ZENTORCH", "MOE_DISPATCH_NATIVE", "MOE_DISPATCH_NATIVE_DIR",
+            "ZENDNNL_MATMUL_WEIGHT_CACHE", "OMP_NUM_THREADS")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -134,6 +135,17 @@ def _config_dict(c: MoEConfig) -> dict[str, Any]:
                 apply_router_weight_on_input=c.apply_router_weight_on_input)
 
 
+def _zentorch_native(caps: Capabilities) -> str | None:
+    """The zentorch backend's C++ entry, without building it (None without zentorch)."""
+    if caps.zentorch_version is None:
+        return None
+    try:
+        from moe_dispatch_backends import zentorch_native
+    except ImportError as exc:  # the built-in backends are part of this distribution
+        return f"unknown ({exc})"
+    return zentorch_native.describe()
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     caps = Capabilities.detect()
     snap = get_registry().snapshot()
@@ -149,7 +161,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         isa={f: getattr(caps, f) for f in ("avx2", "avx512", "avx512_bf16", "avx512_fp16",
                                            "amx_tile", "amx_bf16", "amx_fp16", "mkldnn")},
         threads=caps.threads, torch=caps.torch_version, zentorch=caps.zentorch_version,
-        zentorch_error=caps.zentorch_error, ops=ops,
+        zentorch_error=caps.zentorch_error, zentorch_native=_zentorch_native(caps), ops=ops,
         backends=[dict(name=r.name, priority=r.priority, source=r.source,
                        description=r.spec.description, version=r.spec.version) for r in snap.records],
         plugin_failures=[dict(plugin=f.plugin, source=f.source, error=f.error) for f in snap.failures],
@@ -164,6 +176,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print(f"threads   {data['threads']}")
     print(f"torch     {data['torch']}")
     print(f"zentorch  {data['zentorch'] or 'unavailable: ' + str(data['zentorch_error'])}")
+    if data["zentorch_native"]:
+        print(f"          C++ decode entry: {data['zentorch_native']}")
     print("vendor ops:")
     for name, status in ops.items():
         print(f"  {name:<38} {status}")

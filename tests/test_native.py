@@ -1,0 +1,304 @@
+"""Native entries for plain calls (BackendBase.fast_call) and the zentorch one in C++.
+
+The layer contract runs everywhere on a pure-Python backend with a fast_call; the C++
+entry of the zentorch backend runs for real where zentorch and a C++ compiler are.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import moe_dispatch as md
+from helpers import (TOLERANCE, ZENTORCH_OK, ZENTORCH_WHY, random_routing, random_weights,
+                     reference, rel_error)
+from moe_dispatch_backends import torch_loop
+from strategies import call_variants
+
+CFG = md.MoEConfig(8, 2, 32, 16, dtype=torch.float32)
+
+
+class EntryBackend(md.BackendBase):
+    """The torch loop, plus a fast_call entry that counts calls and declines, returns or
+    raises as told."""
+
+    def __init__(self, mode: str = "run") -> None:
+        self.mode = mode
+        self.entry_calls = self.apply_calls = 0
+        self.guards: list[md.FastGuard] = []
+
+    def supports_config(self, config, capabilities):
+        return md.accept()
+
+    def process_weights(self, weights, capabilities):
+        return torch_loop.TorchLoopBackend().process_weights(weights, capabilities)
+
+    def apply(self, state, x, tw, ids):
+        self.apply_calls += 1
+        return torch_loop.TorchLoopBackend().apply(state, x, tw, ids)
+
+    def fast_call(self, state, guard):
+        self.guards.append(guard)
+        if self.mode == "broken_at_prepare":
+            raise RuntimeError("cannot build the entry")
+
+        def entry(x, tw, ids):
+            self.entry_calls += 1
+            if self.mode == "decline":
+                return None
+            if self.mode == "raise":
+                raise RuntimeError("native kernel status -7")
+            return torch_loop.TorchLoopBackend().apply(state, x, tw, ids)
+        return entry
+
+
+def _registry(*specs):
+    reg = md.Registry(load_entry_points=False)
+    reg.register(torch_loop, name="torch")
+    for spec in specs:
+        reg.register(spec)
+    return reg
+
+
+def _layer_on(backend: EntryBackend, weights=None):
+    weights = weights or random_weights(CFG)
+    return md.MoELayer(CFG).load_weights(**weights).prepare(), weights
+
+
+# -- the layer's contract (any backend) ---------------------------------------------------
+def test_plain_calls_take_the_entry_and_the_guard_names_the_canonical_weights():
+    backend = EntryBackend()
+    with md.use_registry(_registry(md.BackendSpec("entry", 900, backend))):
+        layer, w = _layer_on(backend)
+        x, tw, ids = random_routing(CFG, 5)
+        out = layer(x, tw, ids)
+        assert backend.entry_calls == 1 and backend.apply_calls == 0
+        assert rel_error(out, reference(CFG, w, x, tw, ids)) <= TOLERANCE[torch.float32]
+        guard = backend.guards[-1]
+        assert guard.watched[0] is w["w13"] and guard.watched[1] is w["w2"]
+        assert guard.versions == tuple(t._version for t in guard.watched)
+        # keyword arguments and hooks take the Python path
+        layer(hidden_states=x, topk_weights=tw, topk_ids=ids)
+        handle = layer.register_forward_hook(lambda *a: None)
+        layer(x, tw, ids)
+        handle.remove()
+        assert backend.entry_calls == 1 and backend.apply_calls == 2
+
+
+def test_a_declined_call_runs_the_python_path():
+    backend = EntryBackend("decline")
+    with md.use_registry(_registry(md.BackendSpec("entry", 900, backend))):
+        layer, w = _layer_on(backend)
+        x, tw, ids = random_routing(CFG, 4)
+        out = layer(x, tw, ids)
+        assert backend.entry_calls == 1 and backend.apply_calls == 1
+        assert rel_error(out, reference(CFG, w, x, tw, ids)) <= TOLERANCE[torch.float32]
+
+
+def test_an_entry_that_raises_is_a_kernel_failure(caplog):
+    backend = EntryBackend("raise")
+    with md.use_registry(_registry(md.BackendSpec("entry", 900, backend))):
+        layer, w = _layer_on(backend)
+        x, tw, ids = random_routing(CFG, 4)
+        with caplog.at_level(logging.WARNING, logger="moe_dispatch"):
+            out = layer(x, tw, ids)
+        assert layer.backend == "torch" and layer.demotions[0].backend == "entry"
+        assert "native kernel status -7" in layer.demotions[0].error
+        assert rel_error(out, reference(CFG, w, x, tw, ids)) <= TOLERANCE[torch.float32]
+        assert sum("demoted" in r.message for r in caplog.records) == 1
+
+
+def test_bad_input_is_the_callers_error_even_if_the_entry_raises_on_it():
+    backend = EntryBackend("raise")  # a careless entry: it raises instead of declining
+    with md.use_registry(_registry(md.BackendSpec("entry", 900, backend))):
+        layer, _ = _layer_on(backend)
+        x, tw, ids = random_routing(CFG, 3)
+        ids[0, 0] = 99
+        with pytest.raises(md.InvalidArgumentError, match="topk_ids"):
+            layer(x, tw, ids)
+        assert layer.demotions == () and layer.backend == "entry"
+
+
+def test_fast_call_failing_at_prepare_costs_speed_only(caplog):
+    backend = EntryBackend("broken_at_prepare")
+    with md.use_registry(_registry(md.BackendSpec("entry", 900, backend))):
+        with caplog.at_level(logging.WARNING, logger="moe_dispatch"):
+            layer, w = _layer_on(backend)
+        assert layer.backend == "entry" and layer._native is None
+        assert any("cannot build the entry" in r.message for r in caplog.records)
+        x, tw, ids = random_routing(CFG, 2)
+        assert rel_error(layer(x, tw, ids), reference(CFG, w, x, tw, ids)) <= TOLERANCE[torch.float32]
+
+
+def test_in_place_weight_change_is_caught_with_an_entry():
+    backend = EntryBackend("decline")  # a correct entry declines a changed version
+    with md.use_registry(_registry(md.BackendSpec("entry", 900, backend))):
+        layer, w = _layer_on(backend)
+        w["w13"].mul_(1.0)
+        with pytest.raises(md.WeightsModifiedError):
+            layer(*random_routing(CFG, 2))
+
+
+# -- the zentorch C++ entry, for real ------------------------------------------------------
+needs_zentorch = pytest.mark.skipif(not ZENTORCH_OK, reason=f"zentorch backend unavailable: {ZENTORCH_WHY}")
+needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
+                                    reason="no C++ compiler on PATH: the zentorch native entry cannot be built")
+ZEN_CFG = md.MoEConfig(16, 4, 128, 64, dtype=torch.float32)
+
+
+def _zen_dtypes() -> list[torch.dtype]:
+    if not ZENTORCH_OK:
+        return [torch.float32]
+    caps = md.Capabilities.detect()
+    return [dt for dt in (torch.float32, torch.bfloat16)
+            if md.resolve(md.MoEConfig(16, 4, 128, 64, dtype=dt), capabilities=caps).backend == "zentorch"]
+
+
+@pytest.fixture(scope="module")
+def zen_layers():
+    layers = {}
+    for dt in _zen_dtypes():
+        cfg = md.MoEConfig(16, 4, 128, 64, dtype=dt)
+        w = random_weights(cfg, seed=3)
+        layers[dt] = (cfg, w, md.MoELayer(cfg).load_weights(**w).prepare())
+    return layers
+
+
+@pytest.mark.zentorch
+@needs_zentorch
+@needs_compiler
+@pytest.mark.parametrize("dtype", _zen_dtypes())
+def test_zentorch_plain_calls_run_in_cpp(zen_layers, dtype):
+    from moe_dispatch_backends import zentorch_native
+
+    cfg, w, layer = zen_layers[dtype]
+    assert layer.backend == "zentorch"
+    assert zentorch_native.status().startswith("in use"), zentorch_native.status()
+    assert type(layer._native).__name__ == "FastCall"
+    for tokens in (1, 7, 64):
+        x, tw, ids = random_routing(cfg, tokens, seed=tokens)
+        native = layer._native(x, tw, ids)
+        assert native is not None
+        assert torch.equal(native, layer._forward_eager(x, tw, ids))  # the same op, same numbers
+        assert rel_error(layer(x, tw, ids), reference(cfg, w, x, tw, ids)) <= TOLERANCE[dtype]
+
+
+@pytest.mark.zentorch
+@needs_zentorch
+@needs_compiler
+@settings(max_examples=60)
+@given(data=st.data())
+def test_zentorch_entry_takes_only_plain_calls(zen_layers, data):
+    cfg, w, layer = zen_layers[torch.float32]
+    variant, args = data.draw(call_variants(cfg))
+    native = layer._native(*args)
+    if variant not in ("plain", "strided_ids", "strided_weights", "strided_hidden"):
+        assert native is None, variant
+    if native is not None:
+        assert all(a.is_contiguous() for a in args), variant  # a (1, K) transpose is contiguous
+        assert torch.equal(native, layer._forward_eager(*args))
+    # The layer's answer whatever the entry did: the Python path's answer.
+    try:
+        want = layer._forward_eager(*args)
+    except md.MoEDispatchError as exc:
+        with pytest.raises(type(exc)):
+            layer(*args)
+        assert variant in ("id_too_large", "negative_id", "no_tokens") or variant.startswith("int")
+        return
+    got = layer(*args)
+    assert torch.equal(got, want), variant
+    if got.shape[0]:
+        assert rel_error(got, reference(cfg, w, *args)) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.zentorch
+@needs_zentorch
+@needs_compiler
+def test_zentorch_entry_declines_other_devices_dtypes_and_changed_weights(zen_layers):
+    cfg, w, layer = zen_layers[torch.float32]
+    x, tw, ids = random_routing(cfg, 3)
+    assert layer._native(x.to("meta"), tw, ids) is None
+    assert layer._native(x.double(), tw, ids) is None
+    assert layer._native(x[:, :64], tw, ids) is None
+    assert layer._native(x.unsqueeze(0), tw, ids) is None
+    assert layer._native(x, tw[:2], ids) is None
+    assert layer._native(x, tw.to_sparse(), ids) is None
+    assert layer._native("x", tw, ids) is None
+    # a weight tensor changed in place: declined, and the layer says what happened
+    fresh = random_weights(cfg, seed=9)
+    own = md.MoELayer(cfg).load_weights(**fresh).prepare()
+    assert own._native(x, tw, ids) is not None
+    fresh["w2"].add_(1.0)
+    assert own._native(x, tw, ids) is None
+    with pytest.raises(md.WeightsModifiedError):
+        own(x, tw, ids)
+
+
+# -- building the module: off, no compiler, a failed build (fresh processes) -----------------
+_PROBE = textwrap.dedent("""
+    import json, logging, torch
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    import moe_dispatch as md
+    from moe_dispatch_backends import zentorch_native
+    cfg = md.MoEConfig(8, 2, 64, 32, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(*cfg.w13_shape, generator=g) / 8
+    w2 = torch.randn(*cfg.w2_shape, generator=g) / 6
+    layer = md.MoELayer(cfg).load_weights(w13, w2).prepare()
+    x = torch.randn(3, 64, generator=g)
+    tw, ids = md.select_experts(torch.randn(3, 8, generator=g), 2)
+    want = md.reference.moe_reference(cfg, x, w13, w2, tw, ids)
+    err = float((layer(x, tw, ids).double() - want).norm() / want.norm())
+    print(json.dumps(dict(backend=layer.backend, native=layer._native is not None,
+                          status=zentorch_native.status(), err=err)))
+""")
+
+
+def _probe(env: dict[str, str]) -> tuple[dict, str]:
+    run = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                         env={**os.environ, **env}, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
+
+
+@pytest.mark.zentorch
+@needs_zentorch
+@pytest.mark.parametrize("value", ["0", "off"])
+def test_native_off_by_env(value):
+    out, err = _probe({"MOE_DISPATCH_NATIVE": value})
+    assert out["backend"] == "zentorch" and not out["native"]
+    assert out["status"].startswith(f"off (MOE_DISPATCH_NATIVE={value})")
+    assert out["err"] <= TOLERANCE[torch.float32] and "WARNING" not in err
+
+
+@pytest.mark.zentorch
+@needs_zentorch
+def test_no_compiler_warns_once_and_runs_the_python_path():
+    out, err = _probe({"CXX": "no-such-compiler-here"})
+    assert out["backend"] == "zentorch" and not out["native"]
+    assert "no C++ compiler ('no-such-compiler-here' is not on PATH)" in out["status"]
+    assert err.count("WARNING") == 1 and "the Python path runs" in err
+    assert out["err"] <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.zentorch
+@needs_zentorch
+@needs_compiler
+def test_a_failed_build_warns_and_runs_the_python_path(tmp_path: Path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the build directory should go")
+    out, err = _probe({"MOE_DISPATCH_NATIVE_DIR": str(blocker)})
+    assert out["backend"] == "zentorch" and not out["native"]
+    assert out["status"].startswith("unavailable: build failed") and "FileExistsError" in out["status"]
+    assert err.count("WARNING") == 1 and str(blocker) in err
+    assert out["err"] <= TOLERANCE[torch.float32]
