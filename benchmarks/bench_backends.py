@@ -47,6 +47,17 @@ def raw_zentorch(layer: md.MoELayer):
     return run
 
 
+def direct_apply(layer: md.MoELayer):
+    """The chosen backend's apply on the layer's prepared state, without the layer: the
+    kernel called directly, for backends that have no single vendor op (torch, oneDNN)."""
+    rec, state = layer._active
+    apply = rec.spec.backend.apply
+
+    def run(x, tw, ids):
+        return apply(state, x, tw, ids)
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", nargs="+", default=["C2", "C1"], choices=sorted(CONFIGS))

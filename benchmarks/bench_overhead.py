@@ -16,8 +16,11 @@ real call path:
   duplicate-id checks, then the op);
 - MoELayer: the layer as an engine calls it: on a plain call, its hooks check and then the
   backend's C++ entry (zentorch_native.cpp), which does every check and the op call;
-- MoELayer, Python path: the layer without that entry (what runs where the C++ module
-  cannot be built), over the raw op and over backend.apply (the framework alone);
+- MoELayer without the native entry: the path that runs where the C++ module cannot be
+  built (except that here the op call still goes through the module's run_op; without the
+  module it takes a Python lock instead);
+- MoELayer's Python path (its _forward_eager, without __call__), over the raw op and over
+  backend.apply (the framework alone);
 - the layer called through torch's stock nn.Module.__call__, paired with the Python path
   (what MoELayer.__call__'s hook shortcut saves);
 - and a layer that also checks the id range on the Python path (what a backend without
@@ -74,12 +77,17 @@ def main(argv: list[str] | None = None) -> int:
     # never prepared itself, which is fine for valid inputs.)
     checking = md.MoELayer(config)
     checking._fast = layer._fast[:-1] + (True,)
+    # The layer as it runs where the C++ module cannot be built: the same call path and
+    # state, without the native entry (borrowed the same way).
+    no_entry = md.MoELayer(config)
+    no_entry._fast = layer._fast
     # (label, candidate, baseline): each candidate is timed in pairs with its baseline.
     # The layer without its native entry: what runs where the C++ module cannot be built.
     python_path = layer._forward_eager
     rows = [("raw op (control)", raw, raw), ("op + lock", op_and_lock, raw),
             ("backend.apply (Python)", apply, raw), ("MoELayer", layer, raw),
-            ("MoELayer, Python path (no native entry)", python_path, raw),
+            ("MoELayer without the native entry", no_entry, raw),
+            ("MoELayer's Python path (_forward_eager, no __call__)", python_path, raw),
             ("MoELayer's Python path over backend.apply (the framework alone)", python_path, apply),
             ("stock nn.Module.__call__ over the Python path", module_call, python_path),
             ("the layer's id range check (validates_ids=False)", checking, python_path)]

@@ -95,6 +95,16 @@ def test_plain_calls_take_the_entry_and_the_guard_names_the_canonical_weights():
         assert backend.entry_calls == 1 and backend.apply_calls == 2
 
 
+def test_a_tuned_layer_takes_the_entry_when_one_backend_wins_every_bucket():
+    backend = EntryBackend()
+    with md.use_registry(_registry(md.BackendSpec("entry", 900, backend))):
+        layer = md.MoELayer(CFG, policy="fastest", tune_max_tokens=4, max_candidates=1,
+                            tuning_cache=False).load_weights(**random_weights(CFG)).prepare()
+        assert set(layer.tuned_table.values()) == {"entry"} and layer._native is not None
+        layer(*random_routing(CFG, 3))
+        assert backend.entry_calls == 1
+
+
 def test_a_declined_call_runs_the_python_path():
     backend = EntryBackend("decline")
     with md.use_registry(_registry(md.BackendSpec("entry", 900, backend))):
