@@ -145,10 +145,10 @@ def expected_choice(specs: list[md.BackendSpec], config: md.MoEConfig,
 
 
 @st.composite
-def routing(draw: st.DrawFn, config: md.MoEConfig, max_tokens: int = 40
+def routing(draw: st.DrawFn, config: md.MoEConfig, max_tokens: int = 40, min_tokens: int = 1
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden_states, topk_weights, topk_ids) on fresh random data, via select_experts."""
-    tokens = draw(st.integers(1, max_tokens))
+    tokens = draw(st.integers(min(min_tokens, max_tokens), max_tokens))
     seed = draw(st.integers(0, 2 ** 31 - 1))
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, config.hidden_size, generator=g).to(config.dtype)

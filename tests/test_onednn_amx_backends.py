@@ -109,7 +109,10 @@ def test_amx_grouped_parity_with_injected_capabilities(config, data, seed):
     assert amx.supports_config(config, SPR).accepted
     weights = random_weights(config, seed)
     before = snapshot(weights)
-    x, tw, ids = data.draw(routing(config))
+    # At least 256 output elements: over fewer (two tokens at H=32), one bf16 rounding under
+    # cancellation moves the norm-wise error past 1e-2 on its own (seen: 1.14e-2 on 64
+    # elements, where the torch loop's error on other draws reached 0.8e-2).
+    x, tw, ids = data.draw(routing(config, min_tokens=-(-256 // config.hidden_size)))
     out = _run(amx, SPR, config, weights, x, tw, ids)
     assert out.dtype == config.dtype and out.shape == x.shape
     assert rel_error(out, reference(config, weights, x, tw, ids)) <= TOLERANCE[config.dtype]
