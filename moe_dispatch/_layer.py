@@ -350,6 +350,11 @@ class MoELayer(torch.nn.Module):
         return text
 
     @property
+    def uses_native_entry(self) -> bool:
+        """Whether plain calls go to the backend's native entry (``BackendBase.fast_call``)."""
+        return self._native is not None
+
+    @property
     def tuned_table(self) -> dict[int, str] | None:
         """bucket size -> backend under policy="fastest" (None under "priority")."""
         return {t: row["winner"] for t, row in self._tuned.items()} if self._tuned else None  # type: ignore[misc]

@@ -69,8 +69,9 @@ def _run(config: md.MoEConfig, tokens: int) -> float:
     err = float((out.double() - ref).norm() / ref.norm())
     tol = 1e-2 if config.dtype == torch.bfloat16 else 1e-5
     times.sort()
-    print(f"forward of {tokens} tokens on {layer.backend!r}: output {tuple(out.shape)} {out.dtype}, "
-          f"median {times[2] * 1e3:.2f} ms over 5 calls")
+    entry = " (through its native entry)" if layer.uses_native_entry else ""
+    print(f"forward of {tokens} tokens on {layer.backend!r}{entry}: output {tuple(out.shape)} "
+          f"{out.dtype}, median {times[2] * 1e3:.2f} ms over 5 calls")
     print(f"relative error against the float64 reference: {err:.2e} "
           f"({'OK' if err < tol else 'TOO LARGE'}; tolerance {tol:g})")
     print(f"first row, first 6 values: {[round(v, 4) for v in out[0, :6].float().tolist()]}")

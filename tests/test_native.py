@@ -144,7 +144,7 @@ def test_fast_call_failing_at_prepare_costs_speed_only(caplog):
     with md.use_registry(_registry(md.BackendSpec("entry", 900, backend))):
         with caplog.at_level(logging.WARNING, logger="moe_dispatch"):
             layer, w = _layer_on(backend)
-        assert layer.backend == "entry" and layer._native is None
+        assert layer.backend == "entry" and not layer.uses_native_entry
         assert any("cannot build the entry" in r.message for r in caplog.records)
         x, tw, ids = random_routing(CFG, 2)
         assert rel_error(layer(x, tw, ids), reference(CFG, w, x, tw, ids)) <= TOLERANCE[torch.float32]
@@ -194,7 +194,8 @@ def test_zentorch_plain_calls_run_in_cpp(zen_layers, dtype):
     cfg, w, layer = zen_layers[dtype]
     assert layer.backend == "zentorch"
     assert zentorch_native.status().startswith("in use"), zentorch_native.status()
-    assert type(layer._native).__name__ == "FastCall"
+    assert type(layer._native).__name__ == "FastCall" and layer.uses_native_entry
+    assert "native entry" in layer.explain()
     for tokens in (1, 7, 64):
         x, tw, ids = random_routing(cfg, tokens, seed=tokens)
         native = layer._native(x, tw, ids)
