@@ -28,5 +28,6 @@ torch.manual_seed(0)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests start without the library's override variables, whatever the shell has."""
     for var in ("MOE_DISPATCH_BACKEND", "MOE_DISPATCH_DISABLE", "MOE_DISPATCH_PLUGINS",
-                "MOE_DISPATCH_STRICT", "MOE_DISPATCH_POLICY"):
+                "MOE_DISPATCH_STRICT", "MOE_DISPATCH_POLICY", "MOE_DISPATCH_NATIVE",
+                "MOE_DISPATCH_NATIVE_DIR"):
         monkeypatch.delenv(var, raising=False)

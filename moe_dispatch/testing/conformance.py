@@ -1,5 +1,8 @@
 """Conformance tests for one moe-dispatch backend (the ``moe_backend`` fixture names it).
 
+Parity with the float64 reference, weight ownership, gate consistency, and, for a backend
+with a native entry (``BackendBase.fast_call``), that entry's contract.
+
     pytest --pyargs moe_dispatch.testing.conformance --moe-backend=NAME
 """
 
@@ -14,6 +17,7 @@ from moe_dispatch._bench import random_inputs, random_weights
 from moe_dispatch._matrix import MACHINES, machine
 from moe_dispatch.reference import moe_reference
 from moe_dispatch.testing import TOLERANCE, machines_for, rel_error
+from moe_dispatch.testing.strategies import MUST_DECLINE, call_variants
 
 _SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -103,6 +107,37 @@ def test_weight_ownership(moe_backend, backend_machines, backend_kinds, draw):
         layer(x, tw, ids)
     for k, v in saved.items():
         assert torch.equal(w[k].view(torch.uint8), v.view(torch.uint8)), f"{k} was modified"
+
+
+@pytest.fixture(scope="module")
+def native_entries(moe_backend: str) -> None:
+    backend = md.get_registry().snapshot().by_name(moe_backend).spec.backend
+    if getattr(type(backend), "fast_call", md.BackendBase.fast_call) is md.BackendBase.fast_call:
+        pytest.skip(f"backend {moe_backend!r} has no native entry (fast_call)")
+
+
+@_SETTINGS
+@given(draw=st.data())
+def test_native_entry_agrees_with_the_python_path(moe_backend, backend_machines, backend_kinds,
+                                                  native_entries, draw):
+    """BackendBase.fast_call's contract: the entry declines what it must, and whatever it
+    takes gives the Python path's numbers (within the dtype's tolerance)."""
+    config, data, w, layer = _drawn_layer(moe_backend, backend_machines, backend_kinds, draw)
+    assume(config.top_k >= 2 and config.num_experts > config.top_k)
+    layer.prepare()
+    entry = layer._native
+    assume(entry is not None)  # a backend may offer no entry for some configs
+    variant, args = draw.draw(call_variants(config))
+    got = entry(*args)
+    if variant in MUST_DECLINE:
+        assert got is None, f"the entry took a call with {variant}"
+    if got is not None:
+        want = layer._forward_eager(*args)
+        assert got.shape == want.shape and got.dtype == want.dtype, variant
+        assert rel_error(got, want) <= TOLERANCE[config.dtype], (variant, config.describe())
+    # a caller's in-place change to the canonical weights must be declined
+    w["w2"].add_(0.0)
+    assert entry(*args) is None, "the entry took a call after the weights changed in place"
 
 
 _ANY = [(d, a) for d in (torch.bfloat16, torch.float32, torch.float16) for a in md.Activation]
