@@ -373,17 +373,24 @@ class MoELayer(torch.nn.Module):
                 or _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or _GLOBAL_HOOKS[2] or _GLOBAL_HOOKS[3]
                 or _is_compiling() or _tracing_state()):
             return super().__call__(*args, **kwargs)
+        if len(args) == 3 and not kwargs:
+            return self._forward_plain(*args)
+        return self._forward_eager(*args, **kwargs)
+
+    def _forward_plain(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor) -> torch.Tensor:
+        """The eager forward, through the backend's native entry when it has one (the whole
+        plain call in compiled code; it declines, with None, anything it cannot prove plain,
+        and the Python path handles that)."""
         native = self._native
-        if native is not None and len(args) == 3 and not kwargs:
-            # The backend's native entry: the whole plain call in compiled code (it declines,
-            # with None, anything it cannot prove plain; the Python path below handles it).
+        if native is not None:
             try:
-                out = native(*args)
+                out = native(hidden_states, topk_weights, topk_ids)
             except Exception as exc:
-                return self._native_failed(exc, *args)
+                return self._native_failed(exc, hidden_states, topk_weights, topk_ids)
             if out is not None:
                 return out
-        return self._forward_eager(*args, **kwargs)
+        return self._forward_eager(hidden_states, topk_weights, topk_ids)
 
     def _native_failed(self, exc: Exception, hidden_states: torch.Tensor,
                        topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -400,10 +407,13 @@ class MoELayer(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         if _is_compiling():
-            # One opaque custom op in the graph; its real kernel is _forward_eager.
+            # One opaque custom op in the graph; its real kernel is _forward_plain.
             return torch.ops.moe_dispatch.moe_forward(hidden_states, topk_weights, topk_ids,
                                                       self._handle)
-        return self._forward_eager(hidden_states, topk_weights, topk_ids)
+        if _tracing_state():
+            # torch.jit.trace records torch ops: a native entry would be invisible to it.
+            return self._forward_eager(hidden_states, topk_weights, topk_ids)
+        return self._forward_plain(hidden_states, topk_weights, topk_ids)
 
     def _forward_eager(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -87,12 +88,20 @@ def test_plain_calls_take_the_entry_and_the_guard_names_the_canonical_weights():
         guard = backend.guards[-1]
         assert guard.watched[0] is w["w13"] and guard.watched[1] is w["w2"]
         assert guard.versions == tuple(t._version for t in guard.watched)
-        # keyword arguments and hooks take the Python path
+        # keyword arguments take the Python path; with a hook, forward runs the entry
         layer(hidden_states=x, topk_weights=tw, topk_ids=ids)
-        handle = layer.register_forward_hook(lambda *a: None)
-        layer(x, tw, ids)
+        assert backend.entry_calls == 1 and backend.apply_calls == 1
+        seen = []
+        handle = layer.register_forward_hook(lambda mod, args, out: seen.append(out))
+        assert torch.equal(layer(x, tw, ids), out) and len(seen) == 1
         handle.remove()
-        assert backend.entry_calls == 1 and backend.apply_calls == 2
+        assert backend.entry_calls == 2 and backend.apply_calls == 1
+        # torch.jit.trace records torch ops: the traced forward takes the Python path
+        with warnings.catch_warnings():  # deprecation and data-dependent-branch warnings
+            warnings.simplefilter("ignore")
+            traced = torch.jit.trace(layer, (x, tw, ids), check_trace=False)
+        assert backend.entry_calls == 2 and backend.apply_calls == 2
+        assert torch.allclose(traced(x, tw, ids), out)
 
 
 def test_a_tuned_layer_takes_the_entry_when_one_backend_wins_every_bucket():
