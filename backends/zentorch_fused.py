@@ -256,6 +256,7 @@ class ZentorchBackend(md.BackendBase):
         import zentorch  # noqa: F401  (registers torch.ops.zentorch)
 
         config = weights.config
+        call = op_caller()  # before the ledger lock: the first one may compile (~30 s)
         with _LEDGER_LOCK:
             for attempt in range(2):
                 own = _private_copy if attempt else _shared_or_copy
@@ -263,7 +264,7 @@ class ZentorchBackend(md.BackendBase):
                     config, own(weights.w13), own(weights.w2),
                     own(weights.w13_bias) if weights.w13_bias is not None else None,
                     own(weights.w2_bias) if weights.w2_bias is not None else None,
-                    config.activation.value, op_caller())
+                    config.activation.value, call)
                 _burn(state.w13, state.w2, state.w13_bias, state.w2_bias)
                 error = _warm_up_and_check(state, weights)
                 if error is None:
