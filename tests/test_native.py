@@ -322,3 +322,33 @@ def test_a_failed_build_warns_and_runs_the_python_path(tmp_path: Path):
     assert out["status"].startswith("unavailable: build failed") and "FileExistsError" in out["status"]
     assert err.count("WARNING") == 1 and str(blocker) in err
     assert out["err"] <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.zentorch
+@needs_zentorch
+@needs_compiler
+def test_fast_call_object_checks_without_running_the_op():
+    """The C++ object on its own, in both dtypes (bf16 reaches the op only with AVX512-BF16;
+    these calls are all declined before the op, so they run on any Zen)."""
+    from moe_dispatch_backends import zentorch_native
+
+    native = zentorch_native.load()
+    assert native is not None, zentorch_native.status()
+    for dtype in (torch.bfloat16, torch.float32):
+        w13, w2 = torch.randn(8, 64, 32).to(dtype), torch.randn(8, 32, 32).to(dtype)
+        fc = native.FastCall(w13, w2, None, None, "silu", 32, 2, 8, dtype, [w13], [w13._version])
+        x = torch.randn(3, 32).to(dtype)
+        tw, ids = md.select_experts(torch.randn(3, 8), 2)
+        bad = ids.clone()
+        bad[2, 1] = 8
+        assert fc(x, tw, bad) is None                       # id out of range
+        assert fc(x.float() if dtype == torch.bfloat16 else x.bfloat16(), tw, ids) is None
+        dup = ids.clone()
+        dup[0, 1] = dup[0, 0]
+        assert fc(x, tw, dup) is None                       # repeated id in a row
+        w13.add_(0.0)
+        assert fc(x, tw, ids) is None                       # watched weight changed
+    with pytest.raises(RuntimeError, match="plain config"):
+        native.FastCall(w13, w2, None, None, "silu", 32, 1, 8, torch.float32, [], [])
+    with pytest.raises(RuntimeError, match="one version per watched tensor"):
+        native.FastCall(w13, w2, None, None, "silu", 32, 2, 8, torch.float32, [w13], [])
