@@ -134,8 +134,8 @@ class MoELayer(torch.nn.Module):
         self._handle = register_layer(self)
         # The forward fast path's constants, set by prepare() (None: use the checked path).
         self._fast: tuple | None = None
-        # The backend's native entry for plain calls (BackendBase.fast_call), or None.
-        self._native: Callable[..., torch.Tensor | None] | None = None
+        # (entry, its backend's record) for plain calls (BackendBase.fast_call), or None.
+        self._native: tuple[Callable[..., torch.Tensor | None], BackendRecord] | None = None
 
     # -- loading -------------------------------------------------------------------
     def load_weights(self, w13: torch.Tensor, w2: torch.Tensor,
@@ -230,7 +230,8 @@ class MoELayer(torch.nn.Module):
                 single = {id(s): (r, s) for r, s in self._table} if self._table else {}
                 if len(single) <= 1:
                     r, s = next(iter(single.values())) if single else (rec, state)
-                    self._native = self._native_entry(r, s, FastGuard(tensors, versions))
+                    entry = self._native_entry(r, s, FastGuard(tensors, versions))
+                    self._native = None if entry is None else (entry, r)
         return self
 
     @staticmethod
@@ -384,25 +385,18 @@ class MoELayer(torch.nn.Module):
         and the Python path handles that)."""
         native = self._native
         if native is not None:
+            entry, rec = native
             try:
-                out = native(hidden_states, topk_weights, topk_ids)
+                out = entry(hidden_states, topk_weights, topk_ids)
             except Exception as exc:
-                return self._native_failed(exc, hidden_states, topk_weights, topk_ids)
+                # The entry checked the inputs before the kernel ran, so this is the kernel's
+                # (or the entry's) failure; re-check all the same: the caller's bad input must
+                # never demote a backend. (_fall_back demotes rec only if it is still in use.)
+                check_forward(self.config, hidden_states, topk_weights, topk_ids)
+                return self._fall_back(rec, exc, hidden_states, topk_weights, topk_ids)
             if out is not None:
                 return out
         return self._forward_eager(hidden_states, topk_weights, topk_ids)
-
-    def _native_failed(self, exc: Exception, hidden_states: torch.Tensor,
-                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        # The entry checked the inputs before the kernel ran, so this is the kernel's (or
-        # the entry's) failure; check_forward first all the same: the caller's bad input
-        # must never demote a backend.
-        fast = self._fast
-        if fast is None:  # prepared again by another thread meanwhile
-            return self._forward_eager(hidden_states, topk_weights, topk_ids)
-        check_forward(self.config, hidden_states, topk_weights, topk_ids)
-        rec = fast[0] if fast[3] is None else fast[3][0][0]
-        return self._fall_back(rec, exc, hidden_states, topk_weights, topk_ids)
 
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:

@@ -203,11 +203,11 @@ def test_zentorch_plain_calls_run_in_cpp(zen_layers, dtype):
     cfg, w, layer = zen_layers[dtype]
     assert layer.backend == "zentorch"
     assert zentorch_native.status().startswith("in use"), zentorch_native.status()
-    assert type(layer._native).__name__ == "FastCall" and layer.uses_native_entry
+    assert type(layer._native[0]).__name__ == "FastCall" and layer.uses_native_entry
     assert "native entry" in layer.explain()
     for tokens in (1, 7, 64):
         x, tw, ids = random_routing(cfg, tokens, seed=tokens)
-        native = layer._native(x, tw, ids)
+        native = layer._native[0](x, tw, ids)
         assert native is not None
         assert torch.equal(native, layer._forward_eager(x, tw, ids))  # the same op, same numbers
         assert rel_error(layer(x, tw, ids), reference(cfg, w, x, tw, ids)) <= TOLERANCE[dtype]
@@ -221,7 +221,7 @@ def test_zentorch_plain_calls_run_in_cpp(zen_layers, dtype):
 def test_zentorch_entry_takes_only_plain_calls(zen_layers, data):
     cfg, w, layer = zen_layers[torch.float32]
     variant, args = data.draw(call_variants(cfg))
-    native = layer._native(*args)
+    native = layer._native[0](*args)
     if variant not in ("plain", "strided_ids", "strided_weights", "strided_hidden"):
         assert native is None, variant
     if native is not None:
@@ -247,19 +247,19 @@ def test_zentorch_entry_takes_only_plain_calls(zen_layers, data):
 def test_zentorch_entry_declines_other_devices_dtypes_and_changed_weights(zen_layers):
     cfg, w, layer = zen_layers[torch.float32]
     x, tw, ids = random_routing(cfg, 3)
-    assert layer._native(x.to("meta"), tw, ids) is None
-    assert layer._native(x.double(), tw, ids) is None
-    assert layer._native(x[:, :64], tw, ids) is None
-    assert layer._native(x.unsqueeze(0), tw, ids) is None
-    assert layer._native(x, tw[:2], ids) is None
-    assert layer._native(x, tw.to_sparse(), ids) is None
-    assert layer._native("x", tw, ids) is None
+    assert layer._native[0](x.to("meta"), tw, ids) is None
+    assert layer._native[0](x.double(), tw, ids) is None
+    assert layer._native[0](x[:, :64], tw, ids) is None
+    assert layer._native[0](x.unsqueeze(0), tw, ids) is None
+    assert layer._native[0](x, tw[:2], ids) is None
+    assert layer._native[0](x, tw.to_sparse(), ids) is None
+    assert layer._native[0]("x", tw, ids) is None
     # a weight tensor changed in place: declined, and the layer says what happened
     fresh = random_weights(cfg, seed=9)
     own = md.MoELayer(cfg).load_weights(**fresh).prepare()
-    assert own._native(x, tw, ids) is not None
+    assert own._native[0](x, tw, ids) is not None
     fresh["w2"].add_(1.0)
-    assert own._native(x, tw, ids) is None
+    assert own._native[0](x, tw, ids) is None
     with pytest.raises(md.WeightsModifiedError):
         own(x, tw, ids)
 
