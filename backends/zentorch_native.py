@@ -11,6 +11,7 @@ Run ``python -m moe_dispatch_backends.zentorch_native`` to build it and print th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -20,8 +21,6 @@ import time
 from pathlib import Path
 from types import ModuleType
 from typing import Iterator
-
-import contextlib
 
 import torch
 
@@ -34,6 +33,7 @@ MODULE_NAME = "moe_dispatch_zentorch_native"
 _lock = threading.Lock()
 # (module or None, status line); set once per process by the first load().
 _result: tuple[ModuleType | None, str] | None = None
+_verbose = False
 
 
 def build_directory() -> Path:
@@ -119,11 +119,15 @@ def _build_and_load() -> tuple[ModuleType | None, str]:
                  "use: ~30 s)", directory)
         with _ninja_on_path():
             module = build(name=MODULE_NAME, sources=[str(SOURCE)],
-                           build_directory=str(directory), extra_cflags=["-O2"], verbose=False)
+                           build_directory=str(directory), extra_cflags=["-O2"],
+                           verbose=_verbose)
     except Exception as exc:  # a failed build degrades to the Python path, never breaks it
-        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        # The first line only (a compiler log follows it): `python -m` this module shows all.
+        first = (str(exc).strip().splitlines() or [""])[0]
+        reason = f"{type(exc).__name__}: {first}"
         log.warning("moe-dispatch: building the zentorch native path in %s failed (%s); the "
-                    "Python path runs (slower at decode)", directory, reason)
+                    "Python path runs (slower at decode); `python -m %s` shows the whole "
+                    "error", directory, reason, __name__)
         return None, f"unavailable: build failed ({reason}); the Python path runs"
     took = time.perf_counter() - t0
     log.info("moe-dispatch: zentorch native path ready in %.1f s", took)
@@ -132,6 +136,8 @@ def _build_and_load() -> tuple[ModuleType | None, str]:
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    global _verbose
+    _verbose = True  # the builder's commands and compiler output, when it builds
     module = load()
     print(f"zentorch native path: {status()}")
     return 0 if module is not None or _disabled() else 1
