@@ -83,6 +83,11 @@ def test_doctor(capsys):
     names = [b["name"] for b in data["backends"]]
     assert names == md.available_backends() and "torch" in names
     assert data["ops"]["mkldnn::_linear_pointwise"] == "ok"
+    if data["zentorch"] is None:
+        assert data["zentorch_native"] is None and "C++ decode entry" not in out
+    else:  # built / not built yet / off / in use / unavailable: never empty, never a build
+        assert data["zentorch_native"].split()[0] in ("built", "not", "off", "in", "unavailable:")
+        assert f"C++ decode entry: {data['zentorch_native']}" in out
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",

@@ -352,3 +352,16 @@ def test_fast_call_object_checks_without_running_the_op():
         native.FastCall(w13, w2, None, None, "silu", 32, 1, 8, torch.float32, [], [])
     with pytest.raises(RuntimeError, match="one version per watched tensor"):
         native.FastCall(w13, w2, None, None, "silu", 32, 2, 8, torch.float32, [w13], [])
+
+
+@pytest.mark.zentorch
+@needs_zentorch
+def test_doctor_reports_the_entry_without_building_it(tmp_path: Path):
+    empty = tmp_path / "native"
+    run = subprocess.run([sys.executable, "-m", "moe_dispatch", "doctor", "--json"],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "MOE_DISPATCH_NATIVE_DIR": str(empty)})
+    assert run.returncode == 0, run.stderr
+    status = json.loads(run.stdout)["zentorch_native"]
+    assert status.startswith("not built yet") and "python -m moe_dispatch_backends.zentorch_native" in status
+    assert not empty.exists()  # doctor looked, and built nothing
