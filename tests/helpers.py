@@ -74,3 +74,15 @@ def zentorch_ready() -> tuple[bool, str]:
 
 
 ZENTORCH_OK, ZENTORCH_WHY = zentorch_ready()
+
+
+def torch_and(*specs: md.BackendSpec) -> md.Registry:
+    """A registry without entry points: the torch loop (the fallback) plus ``specs``."""
+    from moe_dispatch_backends import torch_loop
+
+    reg = md.Registry(load_entry_points=False)
+    reg.register(torch_loop, name="torch")
+    for spec in specs:
+        reg.register(spec)
+    return reg
+

@@ -6,6 +6,7 @@ entry of the zentorch backend runs for real where zentorch and a C++ compiler ar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ from hypothesis import given, settings, strategies as st
 
 import moe_dispatch as md
 from helpers import (TOLERANCE, ZENTORCH_OK, ZENTORCH_WHY, random_routing, random_weights,
-                     reference, rel_error)
+                     reference, rel_error, torch_and)
 from moe_dispatch_backends import torch_loop
 from strategies import call_variants
 
@@ -63,24 +65,19 @@ class EntryBackend(md.BackendBase):
         return entry
 
 
-def _registry(*specs):
-    reg = md.Registry(load_entry_points=False)
-    reg.register(torch_loop, name="torch")
-    for spec in specs:
-        reg.register(spec)
-    return reg
-
-
-def _layer_on(backend: EntryBackend, weights=None):
-    weights = weights or random_weights(CFG)
-    return md.MoELayer(CFG).load_weights(**weights).prepare(), weights
+@contextlib.contextmanager
+def _entry_layer(mode: str = "run") -> Iterator[tuple[EntryBackend, md.MoELayer, dict]]:
+    """(backend, prepared layer on it, the caller's weights), the backend registered first
+    in front of the torch loop."""
+    backend = EntryBackend(mode)
+    with md.use_registry(torch_and(md.BackendSpec("entry", 900, backend))):
+        weights = random_weights(CFG)
+        yield backend, md.MoELayer(CFG).load_weights(**weights).prepare(), weights
 
 
 # -- the layer's contract (any backend) ---------------------------------------------------
 def test_plain_calls_take_the_entry_and_the_guard_names_the_canonical_weights():
-    backend = EntryBackend()
-    with md.use_registry(_registry(md.BackendSpec("entry", 900, backend))):
-        layer, w = _layer_on(backend)
+    with _entry_layer() as (backend, layer, w):
         x, tw, ids = random_routing(CFG, 5)
         out = layer(x, tw, ids)
         assert backend.entry_calls == 1 and backend.apply_calls == 0
@@ -106,7 +103,7 @@ def test_plain_calls_take_the_entry_and_the_guard_names_the_canonical_weights():
 
 def test_a_tuned_layer_takes_the_entry_when_one_backend_wins_every_bucket():
     backend = EntryBackend()
-    with md.use_registry(_registry(md.BackendSpec("entry", 900, backend))):
+    with md.use_registry(torch_and(md.BackendSpec("entry", 900, backend))):
         layer = md.MoELayer(CFG, policy="fastest", tune_max_tokens=4, max_candidates=1,
                             tuning_cache=False).load_weights(**random_weights(CFG)).prepare()
         assert set(layer.tuned_table.values()) == {"entry"} and layer._native is not None
@@ -115,9 +112,7 @@ def test_a_tuned_layer_takes_the_entry_when_one_backend_wins_every_bucket():
 
 
 def test_a_declined_call_runs_the_python_path():
-    backend = EntryBackend("decline")
-    with md.use_registry(_registry(md.BackendSpec("entry", 900, backend))):
-        layer, w = _layer_on(backend)
+    with _entry_layer("decline") as (backend, layer, w):
         x, tw, ids = random_routing(CFG, 4)
         out = layer(x, tw, ids)
         assert backend.entry_calls == 1 and backend.apply_calls == 1
@@ -125,9 +120,7 @@ def test_a_declined_call_runs_the_python_path():
 
 
 def test_an_entry_that_raises_is_a_kernel_failure(caplog):
-    backend = EntryBackend("raise")
-    with md.use_registry(_registry(md.BackendSpec("entry", 900, backend))):
-        layer, w = _layer_on(backend)
+    with _entry_layer("raise") as (backend, layer, w):
         x, tw, ids = random_routing(CFG, 4)
         with caplog.at_level(logging.WARNING, logger="moe_dispatch"):
             out = layer(x, tw, ids)
@@ -138,9 +131,8 @@ def test_an_entry_that_raises_is_a_kernel_failure(caplog):
 
 
 def test_bad_input_is_the_callers_error_even_if_the_entry_raises_on_it():
-    backend = EntryBackend("raise")  # a careless entry: it raises instead of declining
-    with md.use_registry(_registry(md.BackendSpec("entry", 900, backend))):
-        layer, _ = _layer_on(backend)
+    # a careless entry: it raises instead of declining
+    with _entry_layer("raise") as (backend, layer, _):
         x, tw, ids = random_routing(CFG, 3)
         ids[0, 0] = 99
         with pytest.raises(md.InvalidArgumentError, match="topk_ids"):
@@ -149,10 +141,8 @@ def test_bad_input_is_the_callers_error_even_if_the_entry_raises_on_it():
 
 
 def test_fast_call_failing_at_prepare_costs_speed_only(caplog):
-    backend = EntryBackend("broken_at_prepare")
-    with md.use_registry(_registry(md.BackendSpec("entry", 900, backend))):
-        with caplog.at_level(logging.WARNING, logger="moe_dispatch"):
-            layer, w = _layer_on(backend)
+    with caplog.at_level(logging.WARNING, logger="moe_dispatch"), \
+            _entry_layer("broken_at_prepare") as (backend, layer, w):
         assert layer.backend == "entry" and not layer.uses_native_entry
         assert any("cannot build the entry" in r.message for r in caplog.records)
         x, tw, ids = random_routing(CFG, 2)
@@ -160,9 +150,8 @@ def test_fast_call_failing_at_prepare_costs_speed_only(caplog):
 
 
 def test_in_place_weight_change_is_caught_with_an_entry():
-    backend = EntryBackend("decline")  # a correct entry declines a changed version
-    with md.use_registry(_registry(md.BackendSpec("entry", 900, backend))):
-        layer, w = _layer_on(backend)
+    # a correct entry declines a changed version
+    with _entry_layer("decline") as (backend, layer, w):
         w["w13"].mul_(1.0)
         with pytest.raises(md.WeightsModifiedError):
             layer(*random_routing(CFG, 2))

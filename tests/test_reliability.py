@@ -11,8 +11,8 @@ import torch
 
 import moe_dispatch as md
 from fakedist import make_dist, plugin_source
-from helpers import TOLERANCE, random_routing, random_weights, reference, rel_error, snapshot, assert_unchanged
-from moe_dispatch_backends import torch_loop
+from helpers import (TOLERANCE, assert_unchanged, random_routing, random_weights, reference, rel_error,
+                     snapshot, torch_and)
 
 CFG = md.MoEConfig(8, 2, 32, 16, dtype=torch.float32)
 
@@ -35,14 +35,6 @@ class FlakyBackend(md.BackendBase):
         raise self.exc
 
 
-def _registry(*specs):
-    reg = md.Registry(load_entry_points=False)
-    reg.register(torch_loop, name="torch")
-    for spec in specs:
-        reg.register(spec)
-    return reg
-
-
 # -- 1. a kernel raises at run time ----------------------------------------------------
 @pytest.mark.parametrize("exc", [RuntimeError("zentorch status -13"),
                                  OSError("undefined symbol: zendnn_matmul")])
@@ -50,7 +42,7 @@ def test_kernel_failure_falls_back_once_with_warning(exc, caplog):
     flaky = FlakyBackend(exc)
     w = random_weights(CFG)
     before = snapshot(w)
-    with md.use_registry(_registry(md.BackendSpec("flaky", 900, flaky))):
+    with md.use_registry(torch_and(md.BackendSpec("flaky", 900, flaky))):
         layer = md.MoELayer(CFG).load_weights(**w).prepare()
         assert layer.backend == "flaky"
         x, tw, ids = random_routing(CFG, 5)
@@ -72,7 +64,7 @@ def test_kernel_failure_falls_back_once_with_warning(exc, caplog):
 @pytest.mark.parametrize("how", ["argument", "env"])
 def test_strict_mode_raises_instead(how, monkeypatch):
     flaky = FlakyBackend(RuntimeError("boom"))
-    with md.use_registry(_registry(md.BackendSpec("flaky", 900, flaky))):
+    with md.use_registry(torch_and(md.BackendSpec("flaky", 900, flaky))):
         if how == "env":
             monkeypatch.setenv("MOE_DISPATCH_STRICT", "1")
             layer = md.MoELayer(CFG)
@@ -85,14 +77,14 @@ def test_strict_mode_raises_instead(how, monkeypatch):
 
 
 def test_forced_backend_never_falls_back():
-    with md.use_registry(_registry(md.BackendSpec("flaky", 900, FlakyBackend(RuntimeError("x"))))):
+    with md.use_registry(torch_and(md.BackendSpec("flaky", 900, FlakyBackend(RuntimeError("x"))))):
         layer = md.MoELayer(CFG, backend="flaky").load_weights(**random_weights(CFG)).prepare()
         with pytest.raises(md.KernelError, match="forced backend 'flaky'"):
             layer(*random_routing(CFG, 3))
 
 
 def test_no_fallback_without_canonical_weights():
-    with md.use_registry(_registry(md.BackendSpec("flaky", 900, FlakyBackend(RuntimeError("x"))))):
+    with md.use_registry(torch_and(md.BackendSpec("flaky", 900, FlakyBackend(RuntimeError("x"))))):
         w = random_weights(CFG)
         layer = md.MoELayer(CFG, keep_canonical=False).load_weights(**w).prepare()
         del w
@@ -105,7 +97,7 @@ def test_process_weights_failure_moves_to_next_backend():
         def process_weights(self, weights, capabilities):
             raise MemoryError("cannot allocate prepacked buffer")
 
-    with md.use_registry(_registry(md.BackendSpec("bad", 900, BadPrepack(RuntimeError())))):
+    with md.use_registry(torch_and(md.BackendSpec("bad", 900, BadPrepack(RuntimeError())))):
         layer = md.MoELayer(CFG).load_weights(**random_weights(CFG)).prepare()
         assert layer.backend == "torch"
         assert "process_weights raised MemoryError" in layer.explain()
@@ -169,7 +161,7 @@ def test_supports_config_garbage_is_a_rejection_naming_the_backend(result):
         def supports_config(self, config, capabilities):
             return result
 
-    with md.use_registry(_registry(md.BackendSpec("junk", 900, Garbage(RuntimeError())))):
+    with md.use_registry(torch_and(md.BackendSpec("junk", 900, Garbage(RuntimeError())))):
         res = md.resolve(CFG)
         assert res.backend == "torch"
         cand = res.candidates[0]
@@ -182,7 +174,7 @@ def test_supports_layer_raising_is_a_layer_rejection():
         def supports_layer(self, weights, capabilities):
             raise KeyError("layout")
 
-    with md.use_registry(_registry(md.BackendSpec("raises", 900, Raises(RuntimeError())))):
+    with md.use_registry(torch_and(md.BackendSpec("raises", 900, Raises(RuntimeError())))):
         layer = md.MoELayer(CFG).load_weights(**random_weights(CFG)).prepare()
         assert layer.backend == "torch"
         assert "supports_layer raised KeyError" in layer.explain()
@@ -206,7 +198,7 @@ def test_duplicate_names_from_two_distributions(plugin_path):
 
 
 def test_duplicate_programmatic_registration_names_both():
-    with md.use_registry(_registry()):
+    with md.use_registry(torch_and()):
         with pytest.raises(md.PluginError, match="duplicate backend name 'torch': provided by .* and by "):
             md.register(md.BackendSpec("torch", 5, FlakyBackend(RuntimeError())))
         assert md.available_backends() == ["torch"]
@@ -266,7 +258,7 @@ class IndexingBackend(md.BackendBase):
 def test_bad_ids_are_the_callers_error_whoever_checks_them(validates, bad):
     backend = IndexingBackend()
     spec = md.BackendSpec("indexing", 50, backend, validates_ids=validates)
-    with md.use_registry(_registry(spec)):
+    with md.use_registry(torch_and(spec)):
         layer = md.MoELayer(CFG).load_weights(**random_weights(CFG)).prepare()
         assert layer.backend == "indexing"
         x, tw, ids = random_routing(CFG, 3)
@@ -281,7 +273,7 @@ def test_bad_ids_are_the_callers_error_whoever_checks_them(validates, bad):
 
 def test_negative_ids_never_reach_a_backend_that_does_not_check_them():
     backend = IndexingBackend()
-    with md.use_registry(_registry(md.BackendSpec("indexing", 50, backend))):
+    with md.use_registry(torch_and(md.BackendSpec("indexing", 50, backend))):
         layer = md.MoELayer(CFG).load_weights(**random_weights(CFG)).prepare()
         x, tw, ids = random_routing(CFG, 3)
         ids[0, 0] = -1  # w13[-1] would silently be the last expert
