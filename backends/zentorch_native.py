@@ -24,6 +24,8 @@ from typing import Iterator
 
 import torch
 
+from moe_dispatch._tuning import user_cache_dir
+
 log = logging.getLogger("moe_dispatch")
 
 ENV = "MOE_DISPATCH_NATIVE"
@@ -42,9 +44,8 @@ def build_directory() -> Path:
     env = os.environ.get("MOE_DISPATCH_NATIVE_DIR")
     if env:
         return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
-    return Path(base) / "moe-dispatch" / "native" / tag
+    return user_cache_dir() / "native" / tag
 
 
 def load() -> ModuleType | None:

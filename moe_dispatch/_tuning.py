@@ -50,12 +50,17 @@ def tuning_key(config: MoEConfig, caps: Capabilities, versions: dict[str, str]) 
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 
+def user_cache_dir() -> Path:
+    """moe-dispatch's directory under the user cache ($XDG_CACHE_HOME, else ~/.cache)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moe-dispatch"
+
+
 def default_cache_path() -> Path:
     env = os.environ.get("MOE_DISPATCH_TUNING_CACHE")
     if env:
         return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "moe-dispatch" / "tuning.json"
+    return user_cache_dir() / "tuning.json"
 
 
 class TuningCache:
