@@ -14,20 +14,27 @@ torch, fp32 on Zen 3, H=2048, I=768: no gain at any M (1: 0.457 vs 0.403 ms; 64:
 
 from __future__ import annotations
 
-
 import attrs
 import torch
 
 import moe_dispatch as md
-from moe_dispatch_backends.torch_loop import gated_activation, grouped_by_expert
+from moe_dispatch.kernels import dtype_name, gated_activation, grouped_by_expert, owned_copy, schema_problem
 
 NAME = "onednn"
 PRIORITY = 200
-
-# The op signatures this backend calls (torch 2.13), checked at detection time.
-EXPECTED_SCHEMAS = {
-    "mkldnn::_reorder_linear_weight": "mkldnn::_reorder_linear_weight(Tensor self, int? batch_size=None) -> Tensor Y",
-    "mkldnn::_linear_pointwise": "mkldnn::_linear_pointwise(Tensor X, Tensor W, Tensor? B, str attr, Scalar?[] scalars, str? algorithm) -> Tensor Y",
+REORDER = "mkldnn::_reorder_linear_weight"
+LINEAR = "mkldnn::_linear_pointwise"
+# The arguments this backend passes to each op, by name and type (torch 2.13).
+OP_ARGS = {
+    REORDER: (("self", "Tensor"), ("batch_size", "Optional[int]")),
+    LINEAR: (("X", "Tensor"), ("W", "Tensor"), ("B", "Optional[Tensor]"), ("attr", "str"),
+             ("scalars", "List[Optional[number]]"), ("algorithm", "Optional[str]")),
+}
+# Their full schemas in torch 2.13, for simulated machines (the support matrix, tests).
+OP_SCHEMAS = {
+    REORDER: "mkldnn::_reorder_linear_weight(Tensor self, int? batch_size=None) -> Tensor Y",
+    LINEAR: "mkldnn::_linear_pointwise(Tensor X, Tensor W, Tensor? B, str attr, Scalar?[] scalars, "
+            "str? algorithm) -> Tensor Y",
 }
 
 
@@ -45,20 +52,18 @@ class OneDNNBackend(md.BackendBase):
         caps = capabilities
         if not caps.mkldnn:
             return md.reject("torch cannot use oneDNN (mkldnn) on this machine")
-        for op, want in EXPECTED_SCHEMAS.items():
-            got = caps.op_schema(op)
-            if got is None:
-                return md.reject(f"torch {caps.torch_version} has no op {op}")
-            if got != want:
-                return md.reject(f"{op} has a different signature than this backend was written "
-                                 f"for: expected {want!r}, found {got!r}")
+        for op, args in OP_ARGS.items():
+            problem = schema_problem(caps.op_schema(op), args)
+            if problem:
+                return md.reject(f"{op} in torch {caps.torch_version} has a different signature "
+                                 f"than this backend was written for: {problem}")
         if config.dtype == torch.bfloat16 and not (caps.avx512_bf16 or caps.amx_tile):
             return md.reject("bfloat16 through oneDNN needs AVX512-BF16 or AMX, which this CPU "
                              "lacks (the reorder refuses it, or it runs emulated)")
         if config.dtype == torch.float16:
             return md.reject("float16 through oneDNN is not validated by this backend; use "
                              "bfloat16 or float32")
-        return md.accept(f"oneDNN prepacked per-expert GEMMs ({md._config.dtype_name(config.dtype)})")
+        return md.accept(f"oneDNN prepacked per-expert GEMMs ({dtype_name(config.dtype)})")
 
     def process_weights(self, weights: md.LayerWeights, capabilities: md.Capabilities) -> OneDNNState:
         reorder = torch.ops.mkldnn._reorder_linear_weight
@@ -66,9 +71,8 @@ class OneDNNBackend(md.BackendBase):
         # contiguous() makes a temporary copy only where the caller's expert slice is strided.
         w13 = tuple(reorder(weights.w13[i].contiguous(), None) for i in range(e))
         w2 = tuple(reorder(weights.w2[i].contiguous(), None) for i in range(e))
-        b13 = weights.w13_bias.clone(memory_format=torch.contiguous_format) if weights.w13_bias is not None else None
-        b2 = weights.w2_bias.clone(memory_format=torch.contiguous_format) if weights.w2_bias is not None else None
-        return OneDNNState(weights.config, w13, w2, b13, b2)
+        return OneDNNState(weights.config, w13, w2, owned_copy(weights.w13_bias),
+                           owned_copy(weights.w2_bias))
 
     def apply(self, state: OneDNNState, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
@@ -89,4 +93,4 @@ class OneDNNBackend(md.BackendBase):
 def moe_dispatch_backends() -> list[md.BackendSpec]:
     return [md.BackendSpec(NAME, PRIORITY, OneDNNBackend(),
                            description="oneDNN prepacked per-expert GEMMs",
-                           version=torch.__version__)]
+                           version=torch.__version__, ops=OP_SCHEMAS)]

@@ -15,12 +15,16 @@ from ._errors import (BackendRejectedError, InvalidArgumentError, InvalidTypeErr
                       KernelError, LayerStateError, MoEDispatchError, NoBackendError,
                       PluginError, UnknownBackendError, WeightsModifiedError)
 from ._compile import moe_experts
-from ._layer import Demotion, MoELayer
+from ._expert_parallel import ExpertParallelLayer
+from ._layer import MoELayer
+from ._plan import Demotion, ExecutionPlan, Route
 from ._registry import PluginFailure, Registry, get_registry, use_registry
-from ._resolver import Candidate, Resolution, clear_cache, explain, resolve
+from ._resolution import Candidate, Resolution, Status
+from ._resolver import call_check, clear_cache, explain, resolve
 from ._spec import (ENTRY_POINT_GROUP, Backend, BackendBase, BackendSpec, FastGuard,
                     LayerWeights, hookimpl, hookspec)
 from .routing import select_experts
+from . import kernels
 
 __version__ = "0.1.0"
 
@@ -52,10 +56,11 @@ def reload_plugins() -> None:
 
 __all__ = [
     "Activation", "Backend", "BackendBase", "BackendRejectedError", "BackendSpec", "Candidate",
-    "Capabilities", "Decision", "Demotion", "ENTRY_POINT_GROUP", "FastGuard", "InvalidArgumentError",
-    "InvalidTypeError", "KernelError", "LayerStateError", "LayerWeights", "MoEConfig",
-    "MoEDispatchError", "MoELayer", "NoBackendError", "PluginError", "PluginFailure",
-    "Registry", "Resolution", "UnknownBackendError", "WeightsModifiedError", "accept",
-    "available_backends", "clear_cache", "moe_experts", "explain", "hookimpl", "hookspec", "plugin_failures",
+    "Capabilities", "Decision", "Demotion", "ENTRY_POINT_GROUP", "ExecutionPlan",
+    "ExpertParallelLayer", "FastGuard", "InvalidArgumentError", "InvalidTypeError", "KernelError",
+    "LayerStateError", "LayerWeights", "MoEConfig", "MoEDispatchError", "MoELayer",
+    "NoBackendError", "PluginError", "PluginFailure", "Registry", "Resolution", "Route", "Status",
+    "UnknownBackendError", "WeightsModifiedError", "accept", "available_backends", "call_check",
+    "clear_cache", "explain", "hookimpl", "hookspec", "kernels", "moe_experts", "plugin_failures",
     "register", "reject", "reload_plugins", "resolve", "select_experts", "unregister", "use_registry",
 ]

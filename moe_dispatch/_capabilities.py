@@ -1,28 +1,20 @@
 """What the machine can do: a frozen record, probed once, injectable in tests.
 
 Backends gate on the exact capability their kernel uses (an ISA flag, an op and its
-schema), never on a proxy such as "is an Intel CPU".
+schema), never on a proxy such as "is an Intel CPU". Ops are answered for any name: the
+detected machine asks torch's op registry at the time of the question (a vendor's op
+registered with ``torch.library`` after detection is found), a simulated one answers from
+the schemas it was built with.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import platform
 from typing import Any, Iterable, Mapping
 
 import attrs
 import torch
-
-# Vendor ops whose presence and schema backends gate on. Each is probed by name.
-PROBED_OPS: tuple[str, ...] = (
-    "zentorch::zentorch_fused_moe",
-    "mkldnn::_reorder_linear_weight",
-    "mkldnn::_linear_pointwise",
-    "mkldnn::_linear_pointwise.binary",
-    "aten::_grouped_mm",
-)
-
 
 def _ops_converter(value: Mapping[str, str] | Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
     items = value.items() if isinstance(value, Mapping) else value
@@ -53,20 +45,25 @@ class Capabilities:
     mkldnn: bool = False  # torch was built with oneDNN and can use it here
     threads: int = 1
     torch_version: str = torch.__version__
-    zentorch_version: str | None = None
-    zentorch_error: str | None = None  # why zentorch could not be imported, if it could not
+    # Op schemas this record answers from ("ns::name[.overload]" -> schema string).
     ops: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_ops_converter)
+    # True for the detected machine: an op not in ``ops`` is looked up in torch's registry.
+    live_ops: bool = False
 
     @property
     def is_amd_zen(self) -> bool:
         return self.cpu_vendor == "AMD" and self.zen_generation is not None
 
     def op_schema(self, name: str) -> str | None:
-        """The schema string of a probed op (``"ns::name[.overload]"``), or None if absent."""
+        """The schema string of op ``"ns::name[.overload]"``, or None if it is absent.
+
+        Any namespace: on the detected machine the op is looked up when asked, so a backend
+        gates on its own vendor's op with nothing else to declare.
+        """
         for op_name, schema in self.ops:
             if op_name == name:
                 return schema
-        return None
+        return probe_op(name) if self.live_ops else None
 
     def has_op(self, name: str) -> bool:
         return self.op_schema(name) is not None
@@ -77,7 +74,7 @@ class Capabilities:
                              "amx_bf16", "amx_fp16", "mkldnn") if getattr(self, f)]
         zen = f"zen{self.zen_generation}" if self.zen_generation else "-"
         return (f"{self.cpu_vendor}/{zen}/{self.arch}/{'+'.join(flags) or 'none'}/"
-                f"torch{self.torch_version}/zentorch{self.zentorch_version or '-'}")
+                f"torch{self.torch_version}")
 
     def evolve(self, **changes: Any) -> "Capabilities":
         """A copy with some fields changed (tests simulate other machines with it)."""
@@ -91,7 +88,8 @@ class Capabilities:
     @classmethod
     def preset(cls, name: str, **changes: Any) -> "Capabilities":
         """A simulated machine: ``sapphire_rapids``, ``ice_lake``, ``zen3``, ``zen4``, ``zen5``,
-        ``neoverse_v1``. Software fields (ops, versions) default to this process's."""
+        ``neoverse_v1``. It knows no ops unless given ``ops={name: schema}``; ``torch_version``
+        is this process's."""
         try:
             base = _PRESETS[name]
         except KeyError:
@@ -133,18 +131,27 @@ def _read_cpuinfo() -> dict[str, str]:
     return info
 
 
-def _probe_ops() -> dict[str, str]:
-    found: dict[str, str] = {}
-    for qualified in PROBED_OPS:
-        ns, _, rest = qualified.partition("::")
-        name, _, overload = rest.partition(".")
-        try:
-            packet = getattr(getattr(torch.ops, ns), name)
-            op = getattr(packet, overload or "default")
-            found[qualified] = str(op._schema)
-        except (AttributeError, RuntimeError):
-            continue
-    return found
+# Ops once found stay registered for the life of the process, so found schemas are
+# memoised; absent ones are asked again (a library may register them later).
+_FOUND: dict[str, str] = {}
+
+
+def probe_op(qualified: str) -> str | None:
+    """The schema of op ``"ns::name[.overload]"`` registered in this process, or None."""
+    found = _FOUND.get(qualified)
+    if found is not None:
+        return found
+    ns, sep, rest = qualified.partition("::")
+    name, _, overload = rest.partition(".")
+    if not (sep and ns and name):
+        return None
+    try:
+        packet = getattr(getattr(torch.ops, ns), name)
+        schema = str(getattr(packet, overload or "default")._schema)
+    except (AttributeError, RuntimeError):
+        return None
+    _FOUND[qualified] = schema
+    return schema
 
 
 def _torch_probe(name: str) -> bool:
@@ -180,17 +187,6 @@ def _detect() -> Capabilities:
     family, model = _int("cpu family"), _int("model")
     zen = zen_generation(family, model) if vendor == "AMD" else None
 
-    zentorch_version = zentorch_error = None
-    if os.environ.get("MOE_DISPATCH_NO_ZENTORCH", "") not in ("", "0"):
-        zentorch_error = "MOE_DISPATCH_NO_ZENTORCH is set"
-    else:
-        try:
-            import zentorch  # noqa: F401  (importing registers torch.ops.zentorch)
-
-            zentorch_version = str(getattr(zentorch, "__version__", "unknown"))
-        except Exception as exc:  # ImportError, or a broken build raising anything else
-            zentorch_error = f"{type(exc).__name__}: {exc}"
-
     # ISA flags: torch's probes check OS support too; cpuinfo fills in what torch lacks.
     return Capabilities(
         cpu_vendor=vendor,
@@ -209,9 +205,7 @@ def _detect() -> Capabilities:
         mkldnn=bool(torch.backends.mkldnn.is_available()),
         threads=torch.get_num_threads(),
         torch_version=torch.__version__,
-        zentorch_version=zentorch_version,
-        zentorch_error=zentorch_error,
-        ops=_probe_ops(),
+        live_ops=True,
     )
 
 

@@ -39,7 +39,7 @@ def moe_forward(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_id
     if layer is None:
         from ._errors import LayerStateError
         raise LayerStateError(f"moe_dispatch::moe_forward: layer handle {handle} no longer exists")
-    return layer._forward_plain(hidden_states, topk_weights, topk_ids)
+    return layer.run(hidden_states, topk_weights, topk_ids)
 
 
 @moe_forward.register_fake

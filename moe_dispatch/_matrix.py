@@ -10,8 +10,9 @@ import torch
 
 from ._capabilities import Capabilities
 from ._config import Activation, MoEConfig, dtype_name
-from ._registry import get_registry
+from ._registry import BUILTIN_DISTRIBUTION, get_registry
 from ._resolver import call_check
+from ._spec import normalize_name
 
 MACHINES = ("sapphire_rapids", "ice_lake", "zen3", "zen4", "zen5", "neoverse_v1")
 DTYPES = (torch.bfloat16, torch.float32, torch.float16)
@@ -21,21 +22,18 @@ _ABBR = {Activation.SILU: "silu", Activation.GELU: "gelu", Activation.GELU_TANH:
 
 
 def canonical_ops() -> dict[str, str]:
-    """The op schemas the built-in backends were written for (machine-independent)."""
-    from moe_dispatch_backends.onednn import EXPECTED_SCHEMAS
-    from moe_dispatch_backends.zentorch_fused import EXPECTED_SCHEMA, OP_NAME
-    ops = dict(EXPECTED_SCHEMAS)
-    ops[OP_NAME] = EXPECTED_SCHEMA
-    ops["mkldnn::_linear_pointwise.binary"] = (
-        "mkldnn::_linear_pointwise.binary(Tensor X, Tensor other, Tensor W, Tensor? B, str attr) -> Tensor Y")
-    ops["aten::_grouped_mm"] = ("aten::_grouped_mm(Tensor self, Tensor mat2, Tensor? offs=None, "
-                                "Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor")
-    return ops
+    """The op schemas the registered backends were written for (``BackendSpec.ops``):
+    what a simulated machine's software provides."""
+    return {name: schema for rec in get_registry().snapshot().records for name, schema in rec.spec.ops}
 
 
 def machine(name: str) -> Capabilities:
-    return Capabilities.preset(name, ops=canonical_ops(), zentorch_version="2.13.0.2",
-                               torch_version="2.13.0", mkldnn=name != "neoverse_v1")
+    """A simulated machine with every backend's ops at the schemas it expects."""
+    return Capabilities.preset(name, ops=canonical_ops(), mkldnn=name != "neoverse_v1")
+
+
+def _documented(distribution: str | None) -> bool:
+    return distribution is not None and normalize_name(distribution) == normalize_name(BUILTIN_DISTRIBUTION)
 
 
 def render() -> str:
@@ -45,12 +43,14 @@ def render() -> str:
            "docs/support-matrix.md`; a test fails when this file is stale.", "",
            f"Each cell lists the activations a backend accepts for E={SHAPE['num_experts']}, "
            f"top_k={SHAPE['top_k']}, H={SHAPE['hidden_size']}, I={SHAPE['intermediate_size']} on a "
-           "simulated machine (`Capabilities.preset`) with torch 2.13.0 and zentorch 2.13.0.2. "
+           "simulated machine (`Capabilities.preset`) that has every backend's ops at the "
+           "schemas it declares (`BackendSpec.ops`). "
            "`bias` and `router-on-input` (top_k=1) are checked with silu in the first dtype "
            "the backend accepts there. `-` means rejected; `moe-dispatch explain` gives the "
            "reason.", ""]
-    # Built-in backends only: the file documents this package, whatever else is installed.
-    for rec in (r for r in snap.records if r.source.startswith("built-in")):
+    # This distribution's backends only: the file documents this package, whatever else is
+    # installed.
+    for rec in (r for r in snap.records if _documented(r.distribution)):
         out.append(f"## `{rec.name}` (priority {rec.priority})")
         out.append("")
         if rec.spec.description:

@@ -75,6 +75,7 @@ class Registry:
         self._pm = pluggy.PluginManager(PROJECT)
         self._pm.add_hookspecs(BackendHookSpec)
         self._sources: dict[str, str] = {}
+        self._dists: dict[str, str] = {}  # plugin name -> distribution (entry points only)
         self._load_failures: list[PluginFailure] = []
         self._want_entry_points = load_entry_points
         self._entry_points_loaded = False
@@ -122,6 +123,7 @@ class Registry:
                 self._fail(name, source, f"registration failed: {type(exc).__name__}: {exc}")
                 continue
             self._sources[name] = source
+            self._dists[name] = dist_name
 
     def _fail(self, plugin: str, source: str, error: str) -> None:
         failure = PluginFailure(plugin, source, error)
@@ -146,11 +148,10 @@ class Registry:
             source = "registered programmatically with moe_dispatch.register()"
             before = self.snapshot()
             if isinstance(plugin, BackendSpec):
-                for other in before.records:
-                    if other.name == plugin.name:
-                        raise PluginError(
-                            f"duplicate backend name {plugin.name!r}: provided by {other.source} "
-                            f"(plugin {other.plugin!r}) and by {source}")
+                # Its plugin takes the backend's name: check the name before pluggy does.
+                contested = _contested(list(before.records) + [BackendRecord(plugin, "?", source)])
+                if contested:
+                    raise PluginError(_duplicate_message(*next(iter(contested.items()))))
                 plugin = _SpecPlugin(plugin)
                 name = name or plugin.spec.name
             pname = normalize_name(name) if name else None
@@ -166,15 +167,11 @@ class Registry:
             self._sources[registered] = source
             self._invalidate()
             new = self._collect_one(registered, plugin)
-            problem = None
-            clash = [] if isinstance(new, PluginFailure) else [
-                (r, o) for r in new for o in before.records if o.name == r.name]
             if isinstance(new, PluginFailure):
                 problem = f"plugin {registered!r} is invalid: {new.error}"
-            elif clash:
-                rec, other = clash[0]
-                problem = (f"duplicate backend name {rec.name!r}: provided by {other.source} "
-                           f"(plugin {other.plugin!r}) and by {source} (plugin {registered!r})")
+            else:
+                contested = _contested(list(before.records) + new)
+                problem = _duplicate_message(*next(iter(contested.items()))) if contested else None
             if problem:
                 self._pm.unregister(name=registered)
                 self._sources.pop(registered, None)
@@ -201,6 +198,7 @@ class Registry:
                 if self._pm.has_plugin(pname):
                     self._pm.unregister(name=pname)
             self._sources.clear()
+            self._dists.clear()
             self._load_failures.clear()
             self._entry_points_loaded = False
             self._invalidate()
@@ -235,7 +233,7 @@ class Registry:
                 if not isinstance(item, BackendSpec):
                     return PluginFailure(pname, source, "moe_dispatch_backends() returned "
                                          f"{type(item).__name__} {item!r:.60}, not a BackendSpec")
-                records.append(BackendRecord(item, pname, source))
+                records.append(BackendRecord(item, pname, source, self._dists.get(pname)))
         return records
 
     def snapshot(self) -> RegistrySnapshot:
@@ -244,28 +242,24 @@ class Registry:
             if self._snapshot is not None:
                 return self._snapshot
             failures = list(self._load_failures)
-            by_name: dict[str, list[BackendRecord]] = {}
+            collected: list[BackendRecord] = []
             for pname, plugin in sorted(self._pm.list_name_plugin(), key=lambda np: np[0]):
                 got = self._collect_one(pname, plugin)
                 if isinstance(got, PluginFailure):
                     failures.append(got)
                     self._warn_once(got)
                     continue
-                for rec in got:
-                    by_name.setdefault(rec.name, []).append(rec)
-            records = []
-            for name, recs in by_name.items():
-                if len(recs) == 1:
-                    records.append(recs[0])
-                    continue
-                # Deterministic and never silent: a contested name is served by nobody.
-                sources = " and ".join(f"{r.source} (plugin {r.plugin!r})" for r in recs)
-                failure = PluginFailure(name, sources, f"duplicate backend name {name!r} "
-                                        f"provided by {sources}; neither is used until one "
-                                        "is removed or disabled")
+                collected.extend(got)
+            # Deterministic and never silent: a contested name is served by nobody.
+            contested = _contested(collected)
+            for name, recs in contested.items():
+                failure = PluginFailure(name, " and ".join(_origin(r) for r in recs),
+                                        _duplicate_message(name, recs) + "; neither is used "
+                                        "until one is removed or disabled")
                 failures.append(failure)
                 self._warn_once(failure)
-            records.sort(key=BackendRecord.sort_key)
+            records = sorted((r for r in collected if r.name not in contested),
+                             key=BackendRecord.sort_key)
             self._snapshot = RegistrySnapshot(self._generation, tuple(records), tuple(failures))
             return self._snapshot
 
@@ -275,6 +269,22 @@ class Registry:
             self._warned.add(key)
             log.warning("moe-dispatch plugin %s (%s) excluded: %s", failure.plugin,
                         failure.source, failure.error)
+
+
+def _origin(rec: BackendRecord) -> str:
+    return rec.source if rec.plugin == "?" else f"{rec.source} (plugin {rec.plugin!r})"
+
+
+def _contested(records: Iterable[BackendRecord]) -> dict[str, list[BackendRecord]]:
+    """The one duplicate-name rule: a backend name provided by more than one record."""
+    by_name: dict[str, list[BackendRecord]] = {}
+    for rec in records:
+        by_name.setdefault(rec.name, []).append(rec)
+    return {name: recs for name, recs in by_name.items() if len(recs) > 1}
+
+
+def _duplicate_message(name: str, recs: list[BackendRecord]) -> str:
+    return f"duplicate backend name {name!r}: provided by " + " and by ".join(map(_origin, recs))
 
 
 class _SpecPlugin:

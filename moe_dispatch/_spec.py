@@ -7,7 +7,7 @@ pluggy's LIFO call order for priority: ordering is an explicit sort key.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Iterable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, runtime_checkable
 
 import attrs
 import pluggy
@@ -50,9 +50,6 @@ class LayerWeights:
         named = [("w13", self.w13), ("w2", self.w2), ("w13_bias", self.w13_bias),
                  ("w2_bias", self.w2_bias)]
         return tuple((n, t) for n, t in named if t is not None)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, t in self.tensors())
 
 
 @runtime_checkable
@@ -103,9 +100,15 @@ class BackendBase:
         the other two ``[T, top_k]``; every id in ``[0, num_experts)``; ``guard``'s
         versions unchanged. Exceptions it raises are treated as a kernel failure.
         Worth it only when the Python around the kernel is measurable (it is at decode:
-        docs/performance.md); the zentorch backend's is C++.
+        docs/performance.md).
         """
         return None
+
+    def diagnostics(self) -> Mapping[str, str]:
+        """Optional ``label -> status`` lines for ``moe-dispatch doctor`` and the demo (the
+        vendor library's version or why it is unavailable, a native module's state...).
+        Must be cheap and never build or load anything; the default has none."""
+        return {}
 
 
 _REQUIRED_METHODS = ("supports_config", "supports_layer", "process_weights", "apply")
@@ -128,6 +131,17 @@ def _check_priority(instance: Any, attribute: attrs.Attribute, value: Any) -> No
         raise TypeError(f"BackendSpec.priority must be an int, got {type(value).__name__}")
 
 
+def _ops_converter(value: Any) -> tuple[tuple[str, str], ...]:
+    items = value.items() if isinstance(value, Mapping) else value
+    return tuple(sorted((str(k), str(v)) for k, v in items))
+
+
+def _names_converter(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    return tuple(sorted({str(v) for v in value}))
+
+
 def _check_backend(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     missing = [m for m in _REQUIRED_METHODS if not callable(getattr(value, m, None))]
     if missing:
@@ -139,8 +153,16 @@ def _check_backend(instance: Any, attribute: attrs.Attribute, value: Any) -> Non
 class BackendSpec:
     """The record a plugin returns from its ``moe_dispatch_backends`` hook.
 
-    ``priority``: higher runs first. Built-ins use zentorch 400 > amx 300 > onednn 200 >
-    torch 0, leaving room on either side for vendors.
+    ``priority``: higher runs first. The built-in backends use 0 to 400, leaving room on
+    either side for vendors (README: "Backends today").
+
+    ``ops``: ``{"ns::op[.overload]": schema}``, the schemas of the ops the backend calls,
+    as it was written for them. Simulated machines (the support matrix, tests) are given
+    these; ``doctor`` compares them with this process's.
+
+    ``env_vars``: every environment variable the backend reads, its gates' included. They
+    are part of the resolution cache key (a change is seen by the next resolution) and
+    ``doctor`` lists them.
 
     ``validates_ids``: the backend's ``apply`` raises an exception (never reads out of
     bounds, never returns numbers) for any expert id outside ``[0, num_experts)``. The
@@ -157,6 +179,9 @@ class BackendSpec:
     version: str = ""
     validates_ids: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool),
                                       kw_only=True)
+    ops: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_ops_converter,
+                                                   kw_only=True)
+    env_vars: tuple[str, ...] = attrs.field(default=(), converter=_names_converter, kw_only=True)
 
 
 @attrs.frozen(slots=True)
@@ -166,6 +191,7 @@ class BackendRecord:
     spec: BackendSpec
     plugin: str  # the pluggy plugin name (the entry point name for discovered plugins)
     source: str  # human-readable origin: entry point and distribution, or md.register()
+    distribution: str | None = None  # the distribution of an entry point; None otherwise
 
     @property
     def name(self) -> str:

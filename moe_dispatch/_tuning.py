@@ -4,6 +4,9 @@ Buckets are powers of two up to a cap; a forward with T tokens uses the winner o
 smallest bucket >= T (the last bucket for larger T). Results persist in a JSON file keyed
 by (config, capabilities fingerprint, backend versions). The file is data only: parsed
 with ``json``, validated, and ignored with a WARNING when corrupt or stale.
+
+:func:`tune` builds the per-bucket routes of an execution plan; it times routes, never a
+layer (this module does not import the layer).
 """
 
 from __future__ import annotations
@@ -22,11 +25,18 @@ import torch
 
 from ._capabilities import Capabilities
 from ._config import MoEConfig, dtype_name
+from ._options import TuningOptions
+from ._plan import Route
+from ._random import random_inputs
+from ._resolution import Resolution, Status
+from ._resolver import call_check
+from ._spec import BackendRecord, LayerWeights
+from ._timing import time_side_by_side
+from .kernels import cache_dir
 
 log = logging.getLogger("moe_dispatch")
 
 CACHE_VERSION = 1
-POLICIES = ("priority", "fastest")
 Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -39,28 +49,17 @@ def bucket_sizes(cap: int) -> list[int]:
     return sizes
 
 
-def bucket_index(tokens: int, n_buckets: int) -> int:
-    """Index of the smallest power-of-two bucket >= tokens, clamped to the last (O(1))."""
-    return min((tokens - 1).bit_length(), n_buckets - 1)
-
-
 def tuning_key(config: MoEConfig, caps: Capabilities, versions: dict[str, str]) -> str:
     parts = [config.describe(), dtype_name(config.dtype), caps.fingerprint(), str(caps.threads),
              json.dumps(sorted(versions.items()))]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 
-def user_cache_dir() -> Path:
-    """moe-dispatch's directory under the user cache ($XDG_CACHE_HOME, else ~/.cache)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "moe-dispatch"
-
-
 def default_cache_path() -> Path:
     env = os.environ.get("MOE_DISPATCH_TUNING_CACHE")
     if env:
         return Path(env)
-    return user_cache_dir() / "tuning.json"
+    return cache_dir() / "tuning.json"
 
 
 class TuningCache:
@@ -133,7 +132,6 @@ def measure(runners: dict[str, Runner], config: MoEConfig, sizes: list[int], bud
             default: str, reps: int = 5) -> tuple[dict[int, str], dict[int, dict[str, float]]]:
     """Time every runner at every bucket size, round-robin, medians. Buckets left when the
     budget runs out get ``default`` (the priority choice)."""
-    from ._bench import random_inputs, time_side_by_side
     start = time.perf_counter()
     table: dict[int, str] = {}
     timings: dict[int, dict[str, float]] = {}
@@ -167,3 +165,56 @@ def pick_winner(medians: dict[str, float], default: str, margin: float = SWITCH_
     if default in medians and medians[default] <= medians[best] * (1 + margin):
         return default
     return best
+
+
+Build = Callable[[BackendRecord], Any]
+
+
+def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeights,
+         build: Build, options: TuningOptions
+         ) -> tuple[tuple[Route, ...], dict[int, dict[str, Any]]]:
+    """The route of every bucket, from the tuning cache or measured now, and bucket ->
+    {"winner": name, name: ms...}. Only the winners' prepared states are kept (memory)."""
+    caps = final.capabilities
+    # The candidates: the resolver's choice, then every other backend that accepts the
+    # layer, up to max_candidates. Nothing else is prepared before the cache is read.
+    records: dict[str, BackendRecord] = {chosen.name: chosen.record}
+    for cand in final.candidates:
+        if options.max_candidates is not None and len(records) >= options.max_candidates:
+            break
+        if cand.name in records or cand.status not in (Status.STANDBY, Status.CHOSEN):
+            continue
+        other = final.record(cand.name)
+        if other is not None and call_check(other, "supports_layer", weights, caps).accepted:
+            records[other.name] = other
+    sizes = bucket_sizes(options.max_tokens)
+    names = sorted(records)
+    cache = None if options.cache is False else TuningCache(
+        None if options.cache in (None, True) else options.cache)  # type: ignore[arg-type]
+    key = tuning_key(config, caps, {n: records[n].spec.version for n in names})
+    table = cache.get(key, names, sizes) if cache is not None else None
+    prepared: dict[str, Route] = {chosen.name: chosen}
+
+    def prepare_all(wanted: list[str]) -> None:
+        for name in wanted:
+            if name not in prepared:
+                try:
+                    prepared[name] = Route(records[name], build(records[name]))
+                except Exception as exc:  # a candidate that cannot prepare is not used
+                    log.warning("moe-dispatch: %r could not be prepared for tuning (%s)", name, exc)
+
+    timings: dict[int, dict[str, float]] = {}
+    if table is not None:
+        prepare_all(sorted(set(table.values())))  # a cache hit prepares only the winners
+        if not set(table.values()) <= set(prepared):
+            table = None  # a cached winner no longer prepares: measure again
+    if table is None:
+        prepare_all(names)
+        runners = {n: (lambda x, tw, ids, _r=prepared[n]: _r.apply(_r.state, x, tw, ids))
+                   for n in sorted(prepared)}
+        table, timings = measure(runners, config, sizes, options.budget_s, chosen.name)
+        if cache is not None:
+            cache.put(key, table, timings, config)
+    routes = tuple(prepared[table[t]] for t in sizes)
+    tuned = {t: {"winner": table[t], **timings.get(t, {})} for t in sizes}
+    return routes, tuned

@@ -7,35 +7,9 @@ import torch
 from ._config import MoEConfig, dtype_name
 from ._errors import InvalidArgumentError, InvalidTypeError
 from ._spec import LayerWeights
+from .kernels._ids import id_range
 
 _INT_DTYPES = (torch.int32, torch.int64)
-
-
-# Up to this many ids, checks run in Python on ``tolist()``: measured here, a torch
-# reduction or sort between two kernel calls costs 20-80 us (thread-pool wake-ups), a
-# tolist() 2-3 us. Larger batches use one vectorised op, small next to their kernel.
-SMALL_IDS = 256
-
-
-def id_range(ids: torch.Tensor) -> tuple[int, int]:
-    """(min, max) of a non-empty ``[T, K]`` id tensor."""
-    tokens, top_k = ids.shape  # not numel(): one torch entry point less on the forward path
-    if tokens * top_k <= SMALL_IDS:
-        rows = ids.tolist()
-        return min(map(min, rows)), max(map(max, rows))  # map(): no Python frame per row
-    lo, hi = torch.aminmax(ids)
-    return int(lo), int(hi)
-
-
-def has_duplicate_in_row(ids: torch.Tensor) -> bool:
-    """Whether any row of ``[T, K]`` ids repeats an id."""
-    k = ids.shape[1]
-    if k < 2:
-        return False
-    if ids.numel() <= SMALL_IDS:
-        return any(len(set(row)) != k for row in ids.tolist())
-    ordered = ids.sort(dim=1).values
-    return bool((ordered[:, 1:] == ordered[:, :-1]).any())
 
 
 def check_tensor(name: str, value: object, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

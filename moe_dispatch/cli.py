@@ -8,23 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any, Sequence
 
 
 from . import hf_config
-from ._capabilities import Capabilities
 from ._config import Activation, MoEConfig, dtype_name
 from ._errors import MoEDispatchError
-from ._registry import get_registry
 from ._resolver import resolve
-
-ENV_VARS = ("MOE_DISPATCH_BACKEND", "MOE_DISPATCH_DISABLE", "MOE_DISPATCH_PLUGINS",
-            "MOE_DISPATCH_STRICT", "MOE_DISPATCH_POLICY", "MOE_DISPATCH_TUNING_CACHE",
-            "MOE_DISPATCH_NO_ZENTORCH", "MOE_DISPATCH_NATIVE", "MOE_DISPATCH_NATIVE_DIR",
-            "ZENDNNL_MATMUL_WEIGHT_CACHE", "OMP_NUM_THREADS")
-
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse's own exit code for usage is 2
@@ -135,63 +126,9 @@ def _config_dict(c: MoEConfig) -> dict[str, Any]:
                 apply_router_weight_on_input=c.apply_router_weight_on_input)
 
 
-def _zentorch_native(caps: Capabilities) -> str | None:
-    """The zentorch backend's C++ entry, without building it (None without zentorch)."""
-    if caps.zentorch_version is None:
-        return None
-    try:
-        from moe_dispatch_backends import zentorch_native
-    except ImportError as exc:  # the built-in backends are part of this distribution
-        return f"unknown ({exc})"
-    return zentorch_native.describe()
-
-
 def cmd_doctor(args: argparse.Namespace) -> int:
-    caps = Capabilities.detect()
-    snap = get_registry().snapshot()
-    ops = {}
-    from ._matrix import canonical_ops
-    expected = canonical_ops()
-    for name in expected:
-        got = caps.op_schema(name)
-        ops[name] = "missing" if got is None else ("ok" if got == expected[name] else f"differs: {got}")
-    data = dict(
-        cpu=dict(vendor=caps.cpu_vendor, model=caps.cpu_model, arch=caps.arch, family=caps.cpu_family,
-                 model_id=caps.cpu_model_id, zen_generation=caps.zen_generation),
-        isa={f: getattr(caps, f) for f in ("avx2", "avx512", "avx512_bf16", "avx512_fp16",
-                                           "amx_tile", "amx_bf16", "amx_fp16", "mkldnn")},
-        threads=caps.threads, torch=caps.torch_version, zentorch=caps.zentorch_version,
-        zentorch_error=caps.zentorch_error, zentorch_native=_zentorch_native(caps), ops=ops,
-        backends=[dict(name=r.name, priority=r.priority, source=r.source,
-                       description=r.spec.description, version=r.spec.version) for r in snap.records],
-        plugin_failures=[dict(plugin=f.plugin, source=f.source, error=f.error) for f in snap.failures],
-        env={v: os.environ[v] for v in ENV_VARS if v in os.environ})
-    if args.json:
-        print(json.dumps(data, indent=2))
-        return 0
-    c = data["cpu"]
-    print(f"CPU       {c['vendor']} {c['model']} ({c['arch']}, family {c['family']}, model "
-          f"{c['model_id']}, Zen generation {c['zen_generation'] or '-'})")
-    print("ISA       " + "  ".join(f"{k}={'yes' if v else 'no'}" for k, v in data["isa"].items()))
-    print(f"threads   {data['threads']}")
-    print(f"torch     {data['torch']}")
-    print(f"zentorch  {data['zentorch'] or 'unavailable: ' + str(data['zentorch_error'])}")
-    if data["zentorch_native"]:
-        print(f"          C++ decode entry: {data['zentorch_native']}")
-    print("vendor ops:")
-    for name, status in ops.items():
-        print(f"  {name:<38} {status}")
-    print("backends (priority order):")
-    for b in data["backends"]:
-        print(f"  {b['priority']:>5}  {b['name']:<14} {b['source']}")
-    if data["plugin_failures"]:
-        print("plugins that failed to load:")
-        for f in data["plugin_failures"]:
-            print(f"  {f['plugin']}: {f['error']} [{f['source']}]")
-    print("environment:")
-    for var in ENV_VARS:
-        print(f"  {var}={os.environ[var]}" if var in os.environ else f"  {var} (unset)")
-    return 0
+    from ._doctor import main as doctor
+    return doctor(args.json)
 
 
 def cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -237,12 +174,12 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"benchmarking {config.describe()} at T={args.tokens} (round-robin medians)",
               file=sys.stderr)
         backends = [args.backend] if args.backend else None
-        rows = bench_grid(config, args.tokens, reps=args.reps, backends=backends)
-        rows = [r for r in rows if r["backend"] not in _excludes(args)]
+        rows = bench_grid(config, args.tokens, reps=args.reps, backends=backends,
+                          exclude=_excludes(args))
         out.append(dict(config=_config_dict(config), rows=rows))
         plot_rows.append((config, rows))
         if not args.json:
-            print(f"\n{config.describe()}   (* = the resolver's choice)")
+            print(f"\n{config.describe()}   (* = what a layer with these options runs)")
             print(f"{'T':>6}  {'backend':<14} {'median ms':>10} {'x fastest':>10}")
             for r in rows:
                 mark = " *" if r["chosen"] else ""

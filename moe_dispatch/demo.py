@@ -12,7 +12,9 @@ import time
 import torch
 
 import moe_dispatch as md
+from moe_dispatch._doctor import backend_diagnostics
 from moe_dispatch.reference import moe_reference
+from moe_dispatch.testing import random_weights
 
 # Qwen3-30B-A3B's MoE block: 128 experts, top-8, H=2048, I=768, SiLU, bf16.
 QWEN3_MOE = dict(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768)
@@ -32,8 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     flags = [f for f in ("avx2", "avx512", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_fp16")
              if getattr(caps, f)]
     print(f"isa: {', '.join(flags) or 'none of avx2/avx512/amx'}; threads {caps.threads}")
-    print(f"torch {caps.torch_version}; zentorch {caps.zentorch_version or 'not available: ' + str(caps.zentorch_error)}")
-    print(f"backends (priority order): {', '.join(md.available_backends())}")
+    print(f"torch {caps.torch_version}")
+    print("backends (priority order):")
+    for rec in md.get_registry().snapshot().records:
+        print(f"  {rec.name} {rec.spec.version or ''}".rstrip())
+        for label, text in backend_diagnostics(rec).items():
+            print(f"    {label}: {text}")
     for failure in md.plugin_failures():
         print(f"plugin failed: {failure.plugin}: {failure.error}")
 
@@ -48,10 +54,10 @@ def _run(config: md.MoEConfig, tokens: int) -> float:
     """Explain, prepare and run one layer; returns its error over the tolerance (< 1 is OK)."""
     print(f"\n== explain (config stage): {config.describe()}")
     print(md.explain(config))
+    weights = random_weights(config, seed=0)
+    w13, w2 = weights["w13"], weights["w2"]
     g = torch.Generator().manual_seed(0)
-    h, i = config.hidden_size, config.intermediate_size
-    w13 = (torch.randn(*config.w13_shape, generator=g) * (2 / h ** 0.5)).to(config.dtype)
-    w2 = (torch.randn(*config.w2_shape, generator=g) / i ** 0.5).to(config.dtype)
+    h = config.hidden_size
     t0 = time.perf_counter()
     layer = md.MoELayer(config).load_weights(w13, w2).prepare()
     print(f"\nprepared on backend {layer.backend!r} in {time.perf_counter() - t0:.2f} s "

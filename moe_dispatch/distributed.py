@@ -14,9 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._config import MoEConfig
+from ._config import PLACEMENTS, SUPPORTED_DTYPES, Activation, MoEConfig
 from ._errors import MoEDispatchError
-from ._layer import MoELayer
+from ._expert_parallel import ExpertParallelLayer
 
 
 class ExpertParallelError(MoEDispatchError, RuntimeError):
@@ -38,6 +38,17 @@ def _agree(error: BaseException | None, group: Any, what: str) -> None:
             from error
 
 
+def config_fields(config: MoEConfig) -> dict[str, int]:
+    """Every field that changes the math, as integers (ranks compare these): shapes, the
+    activation, the dtype, biases, where the router weight goes, the placement."""
+    return dict(num_experts=config.num_experts, top_k=config.top_k,
+                hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+                ep_size=config.ep_size, activation=list(Activation).index(config.activation),
+                dtype=SUPPORTED_DTYPES.index(config.dtype), has_bias=int(config.has_bias),
+                apply_router_weight_on_input=int(config.apply_router_weight_on_input),
+                placement=PLACEMENTS.index(config.placement))
+
+
 def _check_consistent(config: MoEConfig, group: Any) -> None:
     """Every rank has the same global layer, ep_size equals the group size, ranks match."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -46,23 +57,20 @@ def _check_consistent(config: MoEConfig, group: Any) -> None:
         problem = f"config.ep_size={config.ep_size} but the process group has {world} ranks"
     elif config.ep_rank != rank:
         problem = f"config.ep_rank={config.ep_rank} but this process is rank {rank}"
-    fields = torch.tensor([config.num_experts, config.top_k, config.hidden_size,
-                           config.intermediate_size, config.ep_size, int(config.has_bias),
-                           int(config.apply_router_weight_on_input)], dtype=torch.int64)
+    named = config_fields(config)
+    fields = torch.tensor(list(named.values()), dtype=torch.int64)
     lo, hi = fields.clone(), fields.clone()
     dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
     if problem is None and not torch.equal(lo, hi):
-        names = ["num_experts", "top_k", "hidden_size", "intermediate_size", "ep_size",
-                 "has_bias", "apply_router_weight_on_input"]
-        diff = [n for n, a, b in zip(names, lo.tolist(), hi.tolist()) if a != b]
+        diff = [n for n, a, b in zip(named, lo.tolist(), hi.tolist()) if a != b]
         problem = f"ranks disagree on {', '.join(diff)}"
     _agree(ExpertParallelError(problem) if problem else None, group, "the expert-parallel config check")
 
 
 def setup_expert_parallel(config: MoEConfig, w13: torch.Tensor, w2: torch.Tensor,
                           w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                          *, group: Any = None, **layer_kwargs: Any) -> MoELayer:
+                          *, group: Any = None, **layer_kwargs: Any) -> ExpertParallelLayer:
     """Build, load and prepare this rank's layer (local experts' weights only).
 
     Collective: every rank of ``group`` must call it. Raises on every rank if the ranks
@@ -72,7 +80,8 @@ def setup_expert_parallel(config: MoEConfig, w13: torch.Tensor, w2: torch.Tensor
     _check_consistent(config, group)
     layer, error = None, None
     try:
-        layer = MoELayer(config, **layer_kwargs).load_weights(w13, w2, w13_bias, w2_bias).prepare()
+        layer = ExpertParallelLayer(config, **layer_kwargs).load_weights(
+            w13, w2, w13_bias, w2_bias).prepare()
     except MoEDispatchError as exc:
         error = exc
     _agree(error, group, "loading and preparing the local experts")
@@ -80,9 +89,10 @@ def setup_expert_parallel(config: MoEConfig, w13: torch.Tensor, w2: torch.Tensor
     return layer
 
 
-def ep_forward(layer: MoELayer, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+def ep_forward(layer: ExpertParallelLayer, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                topk_ids: torch.Tensor, *, group: Any = None) -> torch.Tensor:
-    """The whole expert-parallel step: local partial sum, then an all-reduce (in float32).
+    """The whole expert-parallel step: the local float32 partial sum, an all-reduce in
+    float32, and one rounding to the layer dtype.
 
     Collective: every rank calls it with the same tokens and routing (global ids). An input
     error on any rank raises on every rank.
@@ -94,6 +104,6 @@ def ep_forward(layer: MoELayer, hidden_states: torch.Tensor, topk_weights: torch
         error = exc
     _agree(error, group, "the expert-parallel forward")
     assert partial is not None
-    total = partial.to(torch.float32)
+    total = partial.to(torch.float32)  # already float32: ExpertParallelLayer's contract
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     return total.to(hidden_states.dtype)

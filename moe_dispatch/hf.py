@@ -30,7 +30,8 @@ import torch
 
 from ._config import Activation, MoEConfig
 from ._errors import MoEDispatchError
-from ._layer import MoELayer, _version_of
+from ._layer import MoELayer
+from .kernels import version_of as _version_of
 from .hf_config import HF_ACTIVATIONS as _ACTIVATIONS
 
 NAME = "moe_dispatch"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv at the repository root and install moe-dispatch with pinned dependencies.
-# Usage: scripts/setup.sh [extra]   e.g. "test" installs pytest, hypothesis, pytest-benchmark.
+# Usage: scripts/setup.sh [extra]   e.g. "test" installs pytest, hypothesis, pytest-benchmark
+# and the example vendor plugin (examples/vendor_plugin) that the plugin-kit tests discover.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -11,10 +12,15 @@ spec="."
 if [ -n "${1:-}" ]; then spec=".[$1]"; fi
 # torch==2.13.0 is the CPU build; zentorch==2.13.0.2 comes with it on x86_64 Linux only.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e "$spec"
+if [ "${1:-}" = "test" ]; then
+  # A real, separate distribution with an entry point in moe_dispatch.backends.
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
+    --no-build-isolation ./examples/vendor_plugin
+fi
 # Build the zentorch backend's C++ decode entry now (compiled once, ~30 s; later runs load it
 # in a fraction of a second) instead of at the first zentorch layer. Not fatal: without it
 # the backend runs its Python path, and `moe-dispatch doctor` says why.
 if .venv/bin/python -c "import zentorch" >/dev/null 2>&1; then
-  .venv/bin/python -m moe_dispatch_backends.zentorch_native \
+  .venv/bin/python -m moe_dispatch_backends.zentorch.native \
     || echo "setup: the zentorch native entry is unavailable; its Python path runs" >&2
 fi

@@ -90,6 +90,11 @@ def error_worker(rank, world, port, outdir):
                                               ep_rank=rank)
     mine3 = list(cfg.local_expert_ids)
     attempt("ep_size", lambda: setup_expert_parallel(cfg, w["w13"][mine3], w["w2"][mine3]))
+    # 4. Rank 1 places experts round robin, rank 0 contiguously.
+    cfg4 = md.MoEConfig(10, 4, 64, 32, dtype=torch.float32, ep_size=world, ep_rank=rank,
+                        placement="round_robin" if rank == 1 else "contiguous")
+    mine4 = list(cfg4.local_expert_ids)
+    attempt("placement", lambda: setup_expert_parallel(cfg4, w["w13"][mine4], w["w2"][mine4]))
     # The group still works afterwards.
     out = ep_forward(layer, x, tw, ids)
     seen["after"] = "ok" if out.shape == x.shape else "bad"

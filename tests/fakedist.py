@@ -28,7 +28,7 @@ def make_dist(root: Path, dist: str, entry_points: dict[str, str], modules: dict
 
 GOOD_PLUGIN = '''
 import moe_dispatch as md
-from moe_dispatch_backends.torch_loop import moe_loop
+from moe_dispatch.kernels import expert_loop
 
 class Backend(md.BackendBase):
     def supports_config(self, config, capabilities):
@@ -36,7 +36,7 @@ class Backend(md.BackendBase):
     def process_weights(self, weights, capabilities):
         return weights
     def apply(self, state, x, tw, ids):
-        return moe_loop(state, x, tw, ids)
+        return expert_loop(state, x, tw, ids)
 
 @md.hookimpl
 def moe_dispatch_backends():

@@ -1,49 +1,12 @@
-"""Test helpers: random layers, error metrics, hardware probes."""
+"""Test helpers: the testing home's tolerances and random layers, plus hardware probes."""
 
 from __future__ import annotations
 
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.reference import moe_reference
-
-# Relative (Frobenius) tolerance against the float64 reference, by dtype.
-TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-5}
-
-
-def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    want = want.to(torch.float64)
-    denom = float(want.norm())
-    return float((got.to(torch.float64) - want).norm()) / max(denom, 1e-30)
-
-
-def random_weights(config: md.MoEConfig, seed: int = 0) -> dict[str, torch.Tensor | None]:
-    """Fresh random weights scaled so activations stay O(1); never zeros."""
-    g = torch.Generator().manual_seed(seed)
-    h, i = config.hidden_size, config.intermediate_size
-    w13 = torch.randn(*config.w13_shape, generator=g) / h ** 0.5 * 2
-    w2 = torch.randn(*config.w2_shape, generator=g) / i ** 0.5
-    out: dict[str, torch.Tensor | None] = {"w13": w13.to(config.dtype), "w2": w2.to(config.dtype),
-                                           "w13_bias": None, "w2_bias": None}
-    if config.has_bias:
-        out["w13_bias"] = (torch.randn(*config.w13_bias_shape, generator=g) * 0.5).to(config.dtype)
-        out["w2_bias"] = (torch.randn(*config.w2_bias_shape, generator=g) * 0.5).to(config.dtype)
-    return out
-
-
-def random_routing(config: md.MoEConfig, tokens: int, seed: int = 0
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(tokens, config.hidden_size, generator=g).to(config.dtype)
-    logits = torch.randn(tokens, config.num_experts, generator=g)
-    tw, ids = md.select_experts(logits, config.top_k)
-    return x, tw, ids
-
-
-def reference(config: md.MoEConfig, weights: dict, x: torch.Tensor, tw: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
-    return moe_reference(config, x, weights["w13"], weights["w2"], tw, ids,
-                         weights["w13_bias"], weights["w2_bias"])
+from moe_dispatch.testing import (TOLERANCE, random_routing, random_weights, reference,  # noqa: F401
+                                  rel_error)
 
 
 def snapshot(weights: dict) -> dict[str, torch.Tensor]:
@@ -85,4 +48,3 @@ def torch_and(*specs: md.BackendSpec) -> md.Registry:
     for spec in specs:
         reg.register(spec)
     return reg
-

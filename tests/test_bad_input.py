@@ -155,8 +155,18 @@ def _maybe(draw, good, bad):
     return draw(st.sampled_from([good, good, good] + bad))
 
 
+def _valid(t: int, x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor) -> bool:
+    """The model of a valid forward call for CFG (E=8, top_k=2, H=32, float32)."""
+    return (x.dtype == torch.float32 and tuple(x.shape) == (t, 32)
+            and tw.is_floating_point() and tuple(tw.shape) == (t, 2)
+            and ids.dtype in (torch.int32, torch.int64) and tuple(ids.shape) == (t, 2)
+            and (t == 0 or (int(ids.min()) >= 0 and int(ids.max()) < 8)))
+
+
 @given(data=st.data())
-def test_fuzz_either_typed_error_or_reference(data):
+def test_fuzz_typed_error_exactly_for_invalid_input(data):
+    """Both directions: every invalid call raises a typed error, and every valid one (odd
+    dtypes, strides, repeated ids included) returns the reference's numbers."""
     backend = data.draw(st.sampled_from(BACKENDS))
     layer = _layer(backend)
     t = data.draw(st.integers(0, 6))
@@ -164,17 +174,26 @@ def test_fuzz_either_typed_error_or_reference(data):
     x = torch.randn(t, 32, generator=g)
     ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(t)]) if t else torch.empty(0, 2, dtype=torch.int64)
     tw = torch.rand(t, 2, generator=g)
-    x = _maybe(data.draw, x, [x.half(), x[:, :31], x.t() if t else x[:, :0], x[None]])
+    x = _maybe(data.draw, x, [x.half(), x[:, :31], x.t() if t else x[:, :0], x[None],
+                              torch.cat([x, x], 1)[:, ::2]])
     ids = _maybe(data.draw, ids, [ids.int(), ids.float(), ids - 1, ids + 7, ids[:, :1], ids.t(),
-                                  ids[:, [0, 0]] if t else ids])
-    tw = _maybe(data.draw, tw, [tw.double(), -tw, tw[:, :1], tw.int(), tw.t()])
-    try:
-        out = layer(x, tw, ids)
-    except md.MoEDispatchError:
+                                  ids[:, [0, 0]] if t else ids, ids.t().contiguous().t()])
+    tw = _maybe(data.draw, tw, [tw.double(), -tw, tw[:, :1], tw.int(), tw.t(), tw.bfloat16()])
+    if not _valid(t, x, tw, ids):
+        with pytest.raises(md.MoEDispatchError):
+            layer(x, tw, ids)
         return
+    out = layer(x, tw, ids)
     want = reference(CFG, W, x, tw, ids)
-    assert out.shape == want.shape
+    assert out.shape == want.shape and out.dtype == torch.float32
     assert rel_error(out, want) <= TOLERANCE[torch.float32]
+
+
+def test_fuzz_model_sees_both_kinds():
+    """The validity model is not trivially one-sided."""
+    x, tw, ids = X, TW, IDS
+    assert _valid(5, x, tw, ids) and _valid(5, x, tw.double(), ids.int())
+    assert not _valid(5, x, tw, ids + 7) and not _valid(5, x.half(), tw, ids)
 
 
 # -- concurrency -----------------------------------------------------------------------------

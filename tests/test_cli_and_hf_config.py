@@ -82,12 +82,16 @@ def test_doctor(capsys):
     data = json.loads(capsys.readouterr().out)
     names = [b["name"] for b in data["backends"]]
     assert names == md.available_backends() and "torch" in names
-    assert data["ops"]["mkldnn::_linear_pointwise"] == "ok"
-    if data["zentorch"] is None:
-        assert data["zentorch_native"] is None and "C++ decode entry" not in out
-    else:  # built / not built yet / off / in use / unavailable: never empty, never a build
-        assert data["zentorch_native"].split()[0] in ("built", "not", "off", "in", "unavailable:")
-        assert f"C++ decode entry: {data['zentorch_native']}" in out
+    by_name = {b["name"]: b for b in data["backends"]}
+    assert by_name["onednn"]["ops"]["mkldnn::_linear_pointwise"] == "ok"
+    for b in data["backends"]:  # every backend's own lines, whoever wrote it
+        for label, text in b["diagnostics"].items():
+            assert f"{label}: {text}" in out
+        for var in b["env_vars"]:
+            assert var in data["env_vars"] and var in out
+    zen = by_name.get("zentorch", {}).get("diagnostics", {})
+    if "C++ decode entry" in zen:  # built / not built yet / off / in use / unavailable: never a build
+        assert zen["C++ decode entry"].split()[0] in ("built", "not", "off", "in", "unavailable:")
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
@@ -151,6 +155,21 @@ def test_bench_json_and_plot(tmp_path, capsys):
     assert sum(r["chosen"] for r in rows) == 2  # one chosen backend per token count
     assert min(r["ratio"] for r in rows) == 1.0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_bench_exclude_and_backend(capsys):
+    """--exclude is applied before timing (names normalised), and the chosen mark is what a
+    layer with the same --backend/--exclude would run."""
+    flags = ["bench", "--experts", "4", "--top-k", "2", "--hidden", "32", "--intermediate", "16",
+             "--dtype", "float32", "--tokens", "1", "--reps", "1", "--json"]
+    assert main(flags + ["--exclude", "OneDNN"]) == 0
+    rows = json.loads(capsys.readouterr().out)[0]["rows"]
+    assert "onednn" not in {r["backend"] for r in rows}
+    chosen = md.resolve(md.MoEConfig(4, 2, 32, 16, dtype="float32"), exclude=["onednn"]).backend
+    assert [r["backend"] for r in rows if r["chosen"]] == [chosen]
+    assert main(flags + ["--backend", "torch"]) == 0
+    rows = json.loads(capsys.readouterr().out)[0]["rows"]
+    assert [(r["backend"], r["chosen"]) for r in rows] == [("torch", True)]
 
 
 def test_console_script_and_module_entry():

@@ -66,23 +66,49 @@ def test_single_process_sum_of_ranks_matches(dtype):
     full = md.MoEConfig(10, 4, 64, 32, dtype=dtype, has_bias=True)
     w = random_weights(full)
     x, tw, ids = random_routing(full, 11)
-    total = torch.zeros(11, 64, dtype=torch.float64)
+    total = torch.zeros(11, 64, dtype=torch.float32)
     for r in range(3):
         cfg = md.MoEConfig(10, 4, 64, 32, dtype=dtype, has_bias=True, ep_size=3, ep_rank=r)
         sel = list(cfg.local_expert_ids)
-        layer = md.MoELayer(cfg).load_weights(*(w[k][sel] for k in ("w13", "w2", "w13_bias", "w2_bias"))).prepare()
+        layer = md.ExpertParallelLayer(cfg).load_weights(
+            *(w[k][sel] for k in ("w13", "w2", "w13_bias", "w2_bias"))).prepare()
         assert layer.backend == md.resolve(cfg.local_config()).backend
         assert f"rank {r} of 3" in layer.explain()
-        total += layer(x, tw, ids).double()
-    assert rel_error(total, reference(full, w, x, tw, ids)) <= TOLERANCE[dtype]
+        partial = layer(x, tw, ids)
+        # The partial sum stays float32 until after the reduce (it was rounded to bf16 first).
+        assert partial.dtype == torch.float32
+        total += partial
+    assert rel_error(total.to(dtype), reference(full, w, x, tw, ids)) <= TOLERANCE[dtype]
     # A token whose experts all live elsewhere gets zeros on this rank.
     cfg = md.MoEConfig(10, 4, 64, 32, dtype=dtype, has_bias=True, ep_size=3, ep_rank=2)
     sel = list(cfg.local_expert_ids)
-    layer = md.MoELayer(cfg).load_weights(*(w[k][sel] for k in ("w13", "w2", "w13_bias", "w2_bias"))).prepare()
+    layer = md.ExpertParallelLayer(cfg).load_weights(
+        *(w[k][sel] for k in ("w13", "w2", "w13_bias", "w2_bias"))).prepare()
     remote = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
-    assert torch.equal(layer(x[:1], tw[:1], remote), torch.zeros(1, 64, dtype=dtype))
+    assert torch.equal(layer(x[:1], tw[:1], remote), torch.zeros(1, 64, dtype=torch.float32))
     with pytest.raises(md.InvalidArgumentError, match="topk_ids"):
         layer(x[:1], tw[:1], remote + 7)  # 10 is owned by no rank
+
+
+def test_moe_layer_and_resolve_refuse_an_expert_parallel_config():
+    cfg = md.MoEConfig(10, 4, 64, 32, ep_size=2, ep_rank=0)
+    with pytest.raises(md.InvalidArgumentError, match="ExpertParallelLayer"):
+        md.MoELayer(cfg)
+    with pytest.raises(md.InvalidArgumentError, match="local_config"):
+        md.resolve(cfg)
+
+
+def test_every_field_that_changes_the_math_is_compared_across_ranks():
+    """Ranks that disagree on placement, activation, dtype, bias or router-on-input would
+    sum wrong partials: each such field is among those the ranks compare."""
+    from moe_dispatch.distributed import config_fields
+    base = md.MoEConfig(10, 2, 64, 32, ep_size=2, ep_rank=0)
+    for change in (dict(placement="round_robin"), dict(activation="gelu"), dict(dtype=torch.float32),
+                   dict(has_bias=True), dict(top_k=1, apply_router_weight_on_input=True)):
+        other = md.MoEConfig(**{**dict(num_experts=10, top_k=2, hidden_size=64, intermediate_size=32,
+                                       ep_size=2, ep_rank=0), **change})
+        differ = [k for k, v in config_fields(base).items() if config_fields(other)[k] != v]
+        assert differ and set(differ) <= set(change) | {"top_k"}, (change, differ)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -117,3 +143,5 @@ def test_errors_reach_every_rank_without_hanging(tmp_path):
         assert seen["after"] == "ok"
     assert "w13" in results[1]["wrong_shape"]
     assert "ep_size" in results[0]["ep_size"]
+    for seen in results:  # ranks that disagree on placement get an error, never wrong sums
+        assert "ranks disagree on placement" in seen["placement"] and "rank(s) [0, 1]" in seen["placement"], seen

@@ -26,7 +26,7 @@ import moe_dispatch as md
 from helpers import (TOLERANCE, ZENTORCH_OK, ZENTORCH_WHY, random_routing, random_weights,
                      reference, rel_error, torch_and)
 from moe_dispatch_backends import torch_loop
-from strategies import call_variants
+from moe_dispatch.testing.strategies import call_variants
 
 CFG = md.MoEConfig(8, 2, 32, 16, dtype=torch.float32)
 
@@ -106,7 +106,7 @@ def test_a_tuned_layer_takes_the_entry_when_one_backend_wins_every_bucket():
     with md.use_registry(torch_and(md.BackendSpec("entry", 900, backend))):
         layer = md.MoELayer(CFG, policy="fastest", tune_max_tokens=4, max_candidates=1,
                             tuning_cache=False).load_weights(**random_weights(CFG)).prepare()
-        assert set(layer.tuned_table.values()) == {"entry"} and layer._native is not None
+        assert set(layer.tuned_table.values()) == {"entry"} and layer.uses_native_entry
         layer(*random_routing(CFG, 3))
         assert backend.entry_calls == 1
 
@@ -187,18 +187,18 @@ def zen_layers():
 @needs_compiler
 @pytest.mark.parametrize("dtype", _zen_dtypes())
 def test_zentorch_plain_calls_run_in_cpp(zen_layers, dtype):
-    from moe_dispatch_backends import zentorch_native
+    from moe_dispatch_backends.zentorch import native as zentorch_native
 
     cfg, w, layer = zen_layers[dtype]
     assert layer.backend == "zentorch"
     assert zentorch_native.status().startswith("in use"), zentorch_native.status()
-    assert type(layer._native[0]).__name__ == "FastCall" and layer.uses_native_entry
+    assert type(layer.plan.native).__name__ == "FastCall" and layer.uses_native_entry
     assert "native entry" in layer.explain()
     for tokens in (1, 7, 64):
         x, tw, ids = random_routing(cfg, tokens, seed=tokens)
-        native = layer._native[0](x, tw, ids)
+        native = layer.plan.native(x, tw, ids)
         assert native is not None
-        assert torch.equal(native, layer._forward_eager(x, tw, ids))  # the same op, same numbers
+        assert torch.equal(native, layer.run(x, tw, ids, native=False))  # the same op, same numbers
         assert rel_error(layer(x, tw, ids), reference(cfg, w, x, tw, ids)) <= TOLERANCE[dtype]
 
 
@@ -210,15 +210,15 @@ def test_zentorch_plain_calls_run_in_cpp(zen_layers, dtype):
 def test_zentorch_entry_takes_only_plain_calls(zen_layers, data):
     cfg, w, layer = zen_layers[torch.float32]
     variant, args = data.draw(call_variants(cfg))
-    native = layer._native[0](*args)
+    native = layer.plan.native(*args)
     if variant not in ("plain", "strided_ids", "strided_weights", "strided_hidden"):
         assert native is None, variant
     if native is not None:
         assert all(a.is_contiguous() for a in args), variant  # a (1, K) transpose is contiguous
-        assert torch.equal(native, layer._forward_eager(*args))
+        assert torch.equal(native, layer.run(*args, native=False))
     # The layer's answer whatever the entry did: the Python path's answer.
     try:
-        want = layer._forward_eager(*args)
+        want = layer.run(*args, native=False)
     except md.MoEDispatchError as exc:
         with pytest.raises(type(exc)):
             layer(*args)
@@ -236,19 +236,19 @@ def test_zentorch_entry_takes_only_plain_calls(zen_layers, data):
 def test_zentorch_entry_declines_other_devices_dtypes_and_changed_weights(zen_layers):
     cfg, w, layer = zen_layers[torch.float32]
     x, tw, ids = random_routing(cfg, 3)
-    assert layer._native[0](x.to("meta"), tw, ids) is None
-    assert layer._native[0](x.double(), tw, ids) is None
-    assert layer._native[0](x[:, :64], tw, ids) is None
-    assert layer._native[0](x.unsqueeze(0), tw, ids) is None
-    assert layer._native[0](x, tw[:2], ids) is None
-    assert layer._native[0](x, tw.to_sparse(), ids) is None
-    assert layer._native[0]("x", tw, ids) is None
+    assert layer.plan.native(x.to("meta"), tw, ids) is None
+    assert layer.plan.native(x.double(), tw, ids) is None
+    assert layer.plan.native(x[:, :64], tw, ids) is None
+    assert layer.plan.native(x.unsqueeze(0), tw, ids) is None
+    assert layer.plan.native(x, tw[:2], ids) is None
+    assert layer.plan.native(x, tw.to_sparse(), ids) is None
+    assert layer.plan.native("x", tw, ids) is None
     # a weight tensor changed in place: declined, and the layer says what happened
     fresh = random_weights(cfg, seed=9)
     own = md.MoELayer(cfg).load_weights(**fresh).prepare()
-    assert own._native[0](x, tw, ids) is not None
+    assert own.plan.native(x, tw, ids) is not None
     fresh["w2"].add_(1.0)
-    assert own._native[0](x, tw, ids) is None
+    assert own.plan.native(x, tw, ids) is None
     with pytest.raises(md.WeightsModifiedError):
         own(x, tw, ids)
 
@@ -258,7 +258,7 @@ _PROBE = textwrap.dedent("""
     import json, logging, torch
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     import moe_dispatch as md
-    from moe_dispatch_backends import zentorch_native
+    from moe_dispatch_backends.zentorch import native as zentorch_native
     cfg = md.MoEConfig(8, 2, 64, 32, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     w13 = torch.randn(*cfg.w13_shape, generator=g) / 8
@@ -268,7 +268,7 @@ _PROBE = textwrap.dedent("""
     tw, ids = md.select_experts(torch.randn(3, 8, generator=g), 2)
     want = md.reference.moe_reference(cfg, x, w13, w2, tw, ids)
     err = float((layer(x, tw, ids).double() - want).norm() / want.norm())
-    print(json.dumps(dict(backend=layer.backend, native=layer._native is not None,
+    print(json.dumps(dict(backend=layer.backend, native=layer.uses_native_entry,
                           status=zentorch_native.status(), err=err)))
 """)
 
@@ -319,7 +319,7 @@ def test_a_failed_build_warns_and_runs_the_python_path(tmp_path: Path):
 def test_fast_call_object_checks_without_running_the_op():
     """The C++ object on its own, in both dtypes (bf16 reaches the op only with AVX512-BF16;
     these calls are all declined before the op, so they run on any Zen)."""
-    from moe_dispatch_backends import zentorch_native
+    from moe_dispatch_backends.zentorch import native as zentorch_native
 
     native = zentorch_native.load()
     assert native is not None, zentorch_native.status()
@@ -351,6 +351,7 @@ def test_doctor_reports_the_entry_without_building_it(tmp_path: Path):
                          capture_output=True, text=True, timeout=300,
                          env={**os.environ, "MOE_DISPATCH_NATIVE_DIR": str(empty)})
     assert run.returncode == 0, run.stderr
-    status = json.loads(run.stdout)["zentorch_native"]
-    assert status.startswith("not built yet") and "python -m moe_dispatch_backends.zentorch_native" in status
+    zen = next(b for b in json.loads(run.stdout)["backends"] if b["name"] == "zentorch")
+    status = zen["diagnostics"]["C++ decode entry"]
+    assert status.startswith("not built yet") and "python -m moe_dispatch_backends.zentorch.native" in status
     assert not empty.exists()  # doctor looked, and built nothing

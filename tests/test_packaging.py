@@ -25,9 +25,9 @@ def test_wheel_contents_and_import(tmp_path):
                     "-w", str(tmp_path / "dist"), str(ROOT)], check=True, timeout=600)
     wheel = next((tmp_path / "dist").glob("moe_dispatch-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    assert "moe_dispatch_backends/zentorch_fused.py" in names
+    assert "moe_dispatch_backends/zentorch/__init__.py" in names
     # the C++ source of the zentorch backend's decode entry, compiled on the user's machine
-    assert "moe_dispatch_backends/zentorch_native.cpp" in names
+    assert "moe_dispatch_backends/zentorch/native.cpp" in names
     assert not any(n.startswith("backends/") for n in names)
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",

@@ -10,7 +10,8 @@ import torch
 
 import moe_dispatch as md
 from helpers import TOLERANCE, random_routing, random_weights, reference, rel_error
-from moe_dispatch._tuning import bucket_index, bucket_sizes, pick_winner
+from moe_dispatch._plan import bucket_index
+from moe_dispatch._tuning import bucket_sizes, pick_winner
 
 CFG = md.MoEConfig(8, 2, 64, 32, dtype=torch.float32)
 
@@ -197,8 +198,8 @@ class _CountingLoop(md.BackendBase):
         return weights
 
     def apply(self, state, x, tw, ids):
-        from moe_dispatch_backends.torch_loop import moe_loop
-        return moe_loop(state, x, tw, ids)
+        from moe_dispatch.kernels import expert_loop
+        return expert_loop(state, x, tw, ids)
 
 
 def test_a_cache_hit_prepares_only_the_winners(tmp_path):

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import moe_dispatch as md
-from strategies import Gate, SyntheticBackend, backend_names, capabilities, configs, gates
+from moe_dispatch.testing.strategies import Gate, SyntheticBackend, backend_names, capabilities, configs, gates
 
 
 class RegistryMachine(RuleBasedStateMachine):

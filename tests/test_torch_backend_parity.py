@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 
 import moe_dispatch as md
 from helpers import TOLERANCE, assert_unchanged, random_weights, reference, rel_error, snapshot
-from strategies import routing, small_configs
+from moe_dispatch.testing.strategies import routing, small_configs
 
 
 @given(config=small_configs(), data=st.data(), seed=st.integers(0, 10_000))

@@ -11,13 +11,13 @@ from hypothesis import assume, given, strategies as st
 import moe_dispatch as md
 from helpers import (TOLERANCE, ZENTORCH_OK, ZENTORCH_WHY, assert_unchanged, random_routing,
                      random_weights, reference, rel_error, snapshot)
-from strategies import configs
+from moe_dispatch.testing.strategies import configs
 
 needs_zentorch = pytest.mark.skipif(not ZENTORCH_OK, reason=f"zentorch backend unavailable: {ZENTORCH_WHY}")
 pytestmark = pytest.mark.zentorch
 
-from moe_dispatch._matrix import machine  # noqa: E402
-from moe_dispatch_backends.zentorch_fused import ZentorchBackend, schema_problem  # noqa: E402
+from moe_dispatch.testing import machine  # noqa: E402
+from moe_dispatch_backends.zentorch import ZentorchBackend, schema_problem  # noqa: E402
 
 REAL = md.Capabilities.detect()
 # A simulated Zen 4 with the op schemas the backends were written for (the support
@@ -38,23 +38,33 @@ def test_accepts_bf16_silu_on_zen():
     assert _decide(BF16_SILU, ZEN4).accepted
 
 
-def test_missing_zentorch_rejects_with_install_hint():
-    caps = ZEN4.evolve(zentorch_version=None, zentorch_error="ModuleNotFoundError: No module named 'zentorch'")
-    d = _decide(BF16_SILU, caps)
-    assert not d.accepted and "not importable" in d.reason and "No module named 'zentorch'" in d.reason
+def test_missing_op_rejects_with_install_hint():
+    d = _decide(BF16_SILU, ZEN4.evolve(ops={}))
+    assert not d.accepted and "zentorch::zentorch_fused_moe is not registered" in d.reason
     assert "install zentorch==2.13.0.2" in d.reason
 
 
+def test_switched_off_by_its_env_variable(monkeypatch):
+    monkeypatch.setenv("MOE_DISPATCH_NO_ZENTORCH", "1")
+    d = _decide(BF16_SILU, ZEN4)
+    assert not d.accepted and "MOE_DISPATCH_NO_ZENTORCH" in d.reason
+
+
+def test_resolution_cache_sees_a_changed_gate_variable(monkeypatch):
+    """The gate reads ZENDNNL_MATMUL_WEIGHT_CACHE; it is declared in BackendSpec.env_vars, so a
+    change after a first resolution is seen by the next one (it used to be served stale)."""
+    monkeypatch.delenv("ZENDNNL_MATMUL_WEIGHT_CACHE", raising=False)
+    assert md.resolve(BF16_SILU, capabilities=ZEN4).backend == "zentorch"
+    monkeypatch.setenv("ZENDNNL_MATMUL_WEIGHT_CACHE", "0")
+    res = md.resolve(BF16_SILU, capabilities=ZEN4)
+    assert res.backend != "zentorch" and "ZENDNNL_MATMUL_WEIGHT_CACHE=0" in res.explain()
+
+
 def test_bf16_needs_avx512_bf16():
-    d = _decide(BF16_SILU, md.Capabilities.preset("zen3", ops=dict(ZEN4.ops), zentorch_version="2.13.0.2"))
+    d = _decide(BF16_SILU, md.Capabilities.preset("zen3", ops=dict(ZEN4.ops)))
     assert not d.accepted and "AVX512-BF16" in d.reason
     fp32 = md.MoEConfig(64, 8, 256, 96, dtype=torch.float32)
-    assert _decide(fp32, md.Capabilities.preset("zen3", ops=dict(ZEN4.ops), zentorch_version="2.13.0.2")).accepted
-
-
-def test_missing_op_rejects():
-    d = _decide(BF16_SILU, ZEN4.evolve(ops={}))
-    assert not d.accepted and "has no op zentorch::zentorch_fused_moe" in d.reason
+    assert _decide(fp32, md.Capabilities.preset("zen3", ops=dict(ZEN4.ops))).accepted
 
 
 def test_schema_mismatch_rejects_naming_the_difference():
@@ -69,7 +79,7 @@ def test_schema_mismatch_rejects_naming_the_difference():
 
 @pytest.mark.parametrize("preset", ["sapphire_rapids", "ice_lake", "neoverse_v1"])
 def test_non_zen_cpu_rejects(preset):
-    caps = md.Capabilities.preset(preset, ops=dict(ZEN4.ops), zentorch_version="2.13.0.2")
+    caps = md.Capabilities.preset(preset, ops=dict(ZEN4.ops))
     d = _decide(BF16_SILU, caps)
     assert not d.accepted and "AMD Zen" in d.reason
 

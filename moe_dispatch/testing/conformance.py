@@ -13,10 +13,9 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import moe_dispatch as md
-from moe_dispatch._bench import random_inputs, random_weights
-from moe_dispatch._matrix import MACHINES, machine
 from moe_dispatch.reference import moe_reference
-from moe_dispatch.testing import TOLERANCE, machines_for, rel_error
+from moe_dispatch.testing import (MACHINES, TOLERANCE, machine, machines_for, random_inputs,
+                                  random_weights, rel_error)
 from moe_dispatch.testing.strategies import MUST_DECLINE, call_variants
 
 _SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
@@ -70,7 +69,7 @@ def _config(d: dict) -> md.MoEConfig:
 
 def _accepting(name: str, config: md.MoEConfig, caps_list: list[md.Capabilities]):
     rec = md.get_registry().snapshot().by_name(name)
-    return next((c for c in caps_list if md._resolver.call_check(
+    return next((c for c in caps_list if md.call_check(
         rec, "supports_config", config, c).accepted), None)
 
 
@@ -126,13 +125,13 @@ def test_native_entry_agrees_with_the_python_path(moe_backend, backend_machines,
     assume(config.top_k >= 2 and config.num_experts > config.top_k)
     layer.prepare()
     assume(layer.uses_native_entry)  # a backend may offer no entry for some configs
-    entry = layer._native[0]
+    entry = layer.plan.native
     variant, args = draw.draw(call_variants(config))
     got = entry(*args)
     if variant in MUST_DECLINE:
         assert got is None, f"the entry took a call with {variant}"
     if got is not None:
-        want = layer._forward_eager(*args)
+        want = layer.run(*args, native=False)
         assert got.shape == want.shape and got.dtype == want.dtype, variant
         assert rel_error(got, want) <= TOLERANCE[config.dtype], (variant, config.describe())
     # a caller's in-place change to the canonical weights must be declined

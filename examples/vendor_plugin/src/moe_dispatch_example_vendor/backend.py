@@ -1,29 +1,32 @@
 """``example_bmm``: every active expert in two batched GEMMs over padded token groups.
 
 The two checks:
-- ``supports_config``: float32 or bfloat16, silu/gelu/gelu_tanh, no bias (each rejection says
-  why), and a padding budget: E at most 64.
+- ``supports_config``: the vendor's op ``example_vendor::padded_bmm`` is registered with the
+  arguments this backend passes (``capabilities.op_schema``, checked by argument names and
+  types with the toolkit's ``schema_problem``); float32 or bfloat16, silu/gelu/gelu_tanh, no
+  bias (each rejection says why), and a padding budget: E at most 64.
 - ``supports_layer``: the tensors are the config's dtype on the CPU (the layer validated
   shapes already).
 
 Weight ownership: ``process_weights`` builds transposed copies (``[E, H, 2I]`` and
 ``[E, I, H]``, the layout ``torch.bmm`` wants) that the backend owns; the caller's tensors
-are never written.
+are never written. It uses only the public API: ``moe_dispatch`` and ``moe_dispatch.kernels``.
 """
 
 from __future__ import annotations
 
 import attrs
 import torch
-import torch.nn.functional as F
 
 import moe_dispatch as md
+from moe_dispatch.kernels import combine, gated_activation, scale_rows, schema_problem, sort_by_expert
+
+from . import ops  # registers example_vendor::padded_bmm
 
 NAME = "example_bmm"
 PRIORITY = -10  # below the built-in "torch" (0): installing the example changes no choice
 MAX_EXPERTS = 64
-_ACTIVATIONS = {md.Activation.SILU: F.silu, md.Activation.GELU: F.gelu,
-                md.Activation.GELU_TANH: lambda g: F.gelu(g, approximate="tanh")}
+_ACTIVATIONS = (md.Activation.SILU, md.Activation.GELU, md.Activation.GELU_TANH)
 
 
 @attrs.frozen(eq=False)
@@ -35,6 +38,9 @@ class State:
 
 class BatchedGemmBackend(md.BackendBase):
     def supports_config(self, config: md.MoEConfig, capabilities: md.Capabilities) -> md.Decision:
+        problem = schema_problem(capabilities.op_schema(ops.OP_NAME), ops.OP_ARGS)
+        if problem:
+            return md.reject(f"{ops.OP_NAME}: {problem}")
         if config.dtype not in (torch.float32, torch.bfloat16):
             return md.reject(f"{config.dtype} is not supported (float32 or bfloat16)")
         if config.activation not in _ACTIVATIONS:
@@ -45,7 +51,7 @@ class BatchedGemmBackend(md.BackendBase):
         if config.num_experts > MAX_EXPERTS:
             return md.reject(f"num_experts={config.num_experts} exceeds the padding budget "
                              f"({MAX_EXPERTS})")
-        return md.accept("padded batched GEMM over active experts")
+        return md.accept(f"padded batched GEMM over active experts ({ops.OP_NAME})")
 
     def supports_layer(self, weights: md.LayerWeights, capabilities: md.Capabilities) -> md.Decision:
         for name, t in weights.tensors():
@@ -60,36 +66,26 @@ class BatchedGemmBackend(md.BackendBase):
     def apply(self, state: State, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         config = state.config
-        tokens, top_k = topk_ids.shape
-        flat = topk_ids.reshape(-1).to(torch.int64)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=config.num_experts)
-        active = torch.nonzero(counts).flatten()
-        rows = int(counts.max())
+        order = sort_by_expert(topk_ids, topk_weights, config.num_experts)  # prepare
+        active = torch.nonzero(order.counts).flatten()
+        rows = int(order.counts.max())
         # Slot of each sorted pair inside its expert's padded block.
-        starts = torch.cumsum(counts, 0) - counts
-        sorted_ids = flat[order]
-        slot = torch.arange(flat.numel()) - starts[sorted_ids]
-        group = torch.searchsorted(active, sorted_ids)
-        token_of = order // top_k
-        weight = topk_weights.reshape(-1).to(torch.float32)[order]
-        x = hidden_states[token_of]
+        starts = torch.cumsum(order.counts, 0) - order.counts
+        slot = torch.arange(order.expert_ids.numel()) - starts[order.expert_ids]
+        group = torch.searchsorted(active, order.expert_ids)
+        x = hidden_states[order.token_of]
         if config.apply_router_weight_on_input:
-            x = (x.to(torch.float32) * weight.unsqueeze(1)).to(x.dtype)
+            x = scale_rows(x, order.weights)
         padded = hidden_states.new_zeros(len(active), rows, config.hidden_size)
         padded[group, slot] = x
-        h = torch.bmm(padded, state.w13t[active])
-        gate, up = h.chunk(2, dim=-1)
-        y = torch.bmm(_ACTIVATIONS[config.activation](gate) * up, state.w2t[active])
-        y = y[group, slot].to(torch.float32)
-        if not config.apply_router_weight_on_input:
-            y = y * weight.unsqueeze(1)
-        out = torch.zeros(tokens, config.hidden_size, dtype=torch.float32)
-        out.index_add_(0, token_of, y)
-        return out.to(hidden_states.dtype)
+        h = ops.padded_bmm(padded, state.w13t, active)  # experts
+        a = gated_activation(h.reshape(-1, h.shape[-1]), config.activation).reshape(h.shape[0], rows, -1)
+        y = ops.padded_bmm(a.contiguous(), state.w2t, active)[group, slot]
+        return combine(config, y, order, topk_ids.shape[0], hidden_states.dtype)  # finalize
 
 
 @md.hookimpl
 def moe_dispatch_backends() -> list[md.BackendSpec]:
     return [md.BackendSpec(NAME, PRIORITY, BatchedGemmBackend(),
-                           description="example vendor plugin: padded batched GEMM", version="0.1.0")]
+                           description="example vendor plugin: padded batched GEMM", version="0.1.0",
+                           ops={ops.OP_NAME: ops.SCHEMA})]

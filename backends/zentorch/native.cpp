@@ -1,4 +1,4 @@
-// The zentorch backend's native decode path (built by zentorch_native.py at first use).
+// The zentorch backend's native decode path (built by native.py at first use).
 //
 // Why C++: at T=1 the op takes 2-6 ms and streams its experts' weights through every
 // cache, so the Python that runs between two calls runs cold: measured, the layer's

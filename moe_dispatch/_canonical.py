@@ -1,0 +1,60 @@
+"""The caller's canonical weights as a layer holds them: one representation, strong or weak.
+
+Held strongly (``keep_canonical=True``), they stay alive so a fallback backend can be
+prepared from intact weights. Held weakly, only the backend's own copy remains once the
+caller drops its tensors. Either way the version stamp taken at ``prepare()`` tells whether
+the caller wrote to them in place since.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import attrs
+import torch
+
+from ._config import MoEConfig
+from ._errors import WeightsModifiedError
+from ._spec import LayerWeights
+
+
+def _strong(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: t
+
+
+@attrs.frozen(slots=True, eq=False)
+class CanonicalWeights:
+    config: MoEConfig
+    names: tuple[str, ...]
+    refs: tuple[Callable[[], torch.Tensor | None], ...]
+    versions: tuple[int, ...]
+    strong: bool
+
+    @classmethod
+    def hold(cls, weights: LayerWeights, *, strong: bool) -> "CanonicalWeights":
+        named = weights.tensors()
+        ref = _strong if strong else weakref.ref
+        return cls(weights.config, tuple(n for n, _ in named), tuple(ref(t) for _, t in named),
+                   tuple(t._version for _, t in named), strong)
+
+    def get(self) -> LayerWeights | None:
+        """The weights, or None once the caller has released any of them (weak only)."""
+        tensors = {n: ref() for n, ref in zip(self.names, self.refs)}
+        if any(t is None for t in tensors.values()):
+            return None
+        return LayerWeights(self.config, **tensors)  # type: ignore[arg-type]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors, strongly held only: a weak holder has none to lend."""
+        return tuple(ref() for ref in self.refs) if self.strong else ()  # type: ignore[misc]
+
+    def check_unmodified(self, backend: str) -> None:
+        """Raise :class:`WeightsModifiedError` if a live tensor was written in place."""
+        for name, ref, version in zip(self.names, self.refs, self.versions):
+            tensor = ref()
+            if tensor is not None and tensor._version != version:
+                raise WeightsModifiedError(
+                    f"{name} was modified in place after prepare() (version {version} -> "
+                    f"{tensor._version}); backend {backend!r} holds a copy built from "
+                    "the old values. Call prepare() again to rebuild it.")

@@ -1,0 +1,38 @@
+"""Rendering a resolution as the human-readable ``explain`` table."""
+
+from __future__ import annotations
+
+from ._resolution import Resolution, Status
+
+
+def _reason(res: Resolution, status: Status, reason: str) -> str:
+    if status is Status.STANDBY:
+        return "accepted; a higher-priority backend was chosen" + (f" ({reason})" if reason else "")
+    if status is Status.NOT_FORCED:
+        return f"accepted; not the forced backend ({res.forced})"
+    if status is Status.CHOSEN and not reason:
+        return "accepted" + (" (forced)" if res.forced else "")
+    return reason
+
+
+def format_table(res: Resolution) -> str:
+    """Order, backend, priority, result, reason; then notes, plugin failures, the choice."""
+    caps = res.capabilities
+    head = [f"moe-dispatch resolution ({res.stage} stage) for {res.config.describe()}",
+            f"machine: {caps.fingerprint()}"]
+    if res.forced:
+        head.append(f"forced: {res.forced}")
+    if res.excluded:
+        head.append(f"excluded: {', '.join(sorted(res.excluded))}")
+    rows = [("#", "backend", "priority", "result", "reason")]
+    for i, c in enumerate(res.candidates, 1):
+        rows.append((str(i), c.name, str(c.priority), c.status.value, _reason(res, c.status, c.reason)))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4] for r in rows]
+    out = head + [""] + lines + list(res.notes)
+    if res.failures:
+        out += ["", "plugins that failed to load or were excluded:"]
+        out += [f"  {f.plugin}: {f.error} [{f.source}]" for f in res.failures]
+    if res.backend:
+        out += ["", f"=> {res.backend}"]
+    return "\n".join(out)

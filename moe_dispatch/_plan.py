@@ -1,0 +1,92 @@
+"""The execution plan: everything a prepared layer runs, frozen.
+
+``prepare()`` builds one (``_planner.build_plan``); ``forward`` only reads it; a run-time
+fallback builds a new one and swaps it in, so a forward never sees half a plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import attrs
+import torch
+
+from ._canonical import CanonicalWeights
+from ._resolution import Resolution
+from ._spec import BackendRecord
+
+NativeEntry = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+
+
+@attrs.frozen(slots=True)
+class Demotion:
+    """A backend that failed at run time on this layer and is no longer used for it."""
+
+    backend: str
+    error: str
+
+
+@attrs.frozen(slots=True, eq=False)
+class Route:
+    """One backend ready to run: its record, its prepared state, its ``apply``."""
+
+    record: BackendRecord
+    state: Any
+    apply: Callable[..., torch.Tensor] = attrs.field(init=False)
+
+    @apply.default
+    def _apply(self) -> Callable[..., torch.Tensor]:
+        return self.record.spec.backend.apply  # bound once: one lookup less per call
+
+    @property
+    def name(self) -> str:
+        return self.record.name
+
+
+def bucket_index(tokens: int, n_buckets: int) -> int:
+    """Index of the smallest power-of-two bucket >= tokens, clamped to the last (O(1))."""
+    return min((tokens - 1).bit_length(), n_buckets - 1)
+
+
+@attrs.frozen(slots=True, eq=False)
+class ExecutionPlan:
+    """What a prepared layer runs.
+
+    ``route``: the resolver's choice. ``table``: under policy="fastest", the route of each
+    power-of-two token bucket (None under "priority"); ``tuned``: bucket -> winner and
+    timings. ``native``: the backend's native entry for plain calls (``fast_call``), with
+    ``native_route`` the route it belongs to, when one backend serves every token count.
+    ``watched`` / ``versions``: the caller's canonical tensors (only when they are held
+    strongly) and their version stamp at ``prepare()``, which the forward compares.
+    """
+
+    resolution: Resolution
+    route: Route
+    canonical: CanonicalWeights
+    table: tuple[Route, ...] | None = None
+    tuned: Mapping[int, Mapping[str, Any]] | None = None
+    native: NativeEntry | None = None
+    native_route: Route | None = None
+    watched: tuple[torch.Tensor, ...] = ()
+    versions: tuple[int, ...] = ()
+    # The forward's constants, read as attributes (cheap) instead of through the config.
+    hidden: int = 0
+    top_k: int = 0
+    experts: int = 0
+    dtype: torch.dtype = torch.float32
+    check_ids: bool = True  # False when every route's kernel rejects bad ids itself
+
+    @property
+    def fast(self) -> bool:
+        """Whether the forward's short path applies (it needs the watched tensors)."""
+        return bool(self.watched)
+
+    def route_for(self, tokens: int) -> Route:
+        table = self.table
+        return self.route if table is None else table[bucket_index(tokens, len(table))]
+
+    def routes(self) -> tuple[Route, ...]:
+        """The distinct routes this plan may run."""
+        if self.table is None:
+            return (self.route,)
+        return tuple({id(r): r for r in self.table}.values())

@@ -1,0 +1,88 @@
+"""From a resolved config and loaded weights to an :class:`ExecutionPlan`.
+
+The layer stage of resolution, the backend's weight processing, per-bucket tuning
+(policy="fastest"), the backend's native entry, the forward's constants: all decided here,
+once, and frozen into the plan.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import attrs
+
+from ._canonical import CanonicalWeights
+from ._config import MoEConfig
+from ._decision import reject
+from ._options import LayerOptions
+from ._plan import Demotion, ExecutionPlan, NativeEntry, Route
+from ._resolution import Resolution, Status
+from ._resolver import resolve, resolve_layer
+from ._spec import BackendRecord, FastGuard, LayerWeights
+from ._tuning import tune
+
+log = logging.getLogger("moe_dispatch")
+
+
+def build_plan(config: MoEConfig, options: LayerOptions, config_stage: Resolution,
+               weights: LayerWeights, demotions: Sequence[Demotion]) -> ExecutionPlan:
+    """Resolve the layer on ``weights`` (without the demoted backends), prepare the chosen
+    backend, tune if asked, and freeze everything the forward needs."""
+    res = config_stage
+    if demotions:
+        res = resolve(config, backend=options.backend,
+                      exclude=options.exclude + tuple(d.backend for d in demotions),
+                      capabilities=options.capabilities)
+    caps = res.capabilities
+
+    def build(rec: BackendRecord) -> Any:
+        return rec.spec.backend.process_weights(weights, caps)
+
+    final, rec, state = resolve_layer(res, weights, build, strict=options.strict)
+    route = Route(rec, state)
+    table = tuned = None
+    if options.policy == "fastest" and res.forced is None and not demotions:
+        table, tuned = tune(config, final, route, weights, build, options.tuning)
+    canonical = CanonicalWeights.hold(weights, strong=options.keep_canonical)
+    watched = canonical.tensors()
+    routes = (route,) if table is None else tuple({id(r): r for r in table}.values())
+    native: NativeEntry | None = None
+    native_route: Route | None = None
+    # A native entry only when one backend serves every token count (a tuned table with a
+    # single winner included) and the weights it guards are held.
+    if watched and len(routes) == 1:
+        native = _native_entry(routes[0], FastGuard(watched, canonical.versions))
+        native_route = routes[0] if native is not None else None
+    return ExecutionPlan(
+        resolution=_annotate(final, demotions), route=route, canonical=canonical, table=table,
+        tuned=tuned, native=native, native_route=native_route, watched=watched,
+        versions=canonical.versions, hidden=config.hidden_size, top_k=config.top_k,
+        experts=config.num_experts, dtype=config.dtype,
+        # The id range check can be left to the kernels only when every backend this plan
+        # may run rejects bad ids itself (BackendSpec.validates_ids).
+        check_ids=not all(r.record.spec.validates_ids for r in routes))
+
+
+def _native_entry(route: Route, guard: FastGuard) -> NativeEntry | None:
+    fast_call = getattr(route.record.spec.backend, "fast_call", None)
+    if fast_call is None:
+        return None
+    try:
+        entry = fast_call(route.state, guard)
+    except Exception as exc:  # an optional accelerator: its failure costs speed only
+        log.warning("moe-dispatch: backend %r's fast_call failed (%s: %s); its Python path "
+                    "runs", route.name, type(exc).__name__, exc)
+        return None
+    return entry if callable(entry) else None
+
+
+def _annotate(res: Resolution, demotions: Sequence[Demotion]) -> Resolution:
+    """The resolution with each demoted backend marked, and why, for ``explain()``."""
+    if not demotions:
+        return res
+    why = {d.backend: d.error for d in demotions}
+    notes = tuple(f"demoted at run time: {d.backend}: {d.error}" for d in demotions)
+    cands = tuple(attrs.evolve(c, status=Status.DEMOTED, layer_decision=reject(why[c.name]))
+                  if c.name in why else c for c in res.candidates)
+    return attrs.evolve(res, candidates=cands, notes=res.notes + notes)

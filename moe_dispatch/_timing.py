@@ -1,0 +1,77 @@
+"""Side-by-side timing (shuffled rounds, medians, paired ratios): used by tuning, the CLI's
+bench and ``benchmarks/``. It never imports the layer: anything callable is timed."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def time_rounds(fns: dict[str, Runner], inputs: list, reps: int, warmup: int = 2,
+                seed: int = 0) -> dict[str, list[float]]:
+    """ms per call of each candidate, one sample per round.
+
+    Every round calls each candidate once on the same input, in a fresh random order, so
+    the machine's drift hits every candidate alike and no candidate always runs right after
+    the same neighbour. Sample ``r`` of two candidates come from the same round: their
+    ratio is a paired comparison.
+    """
+    order = list(fns)
+    rng = random.Random(seed)
+    for fn in fns.values():
+        for i in range(warmup):
+            fn(*inputs[i % len(inputs)])
+    samples: dict[str, list[float]] = {n: [] for n in fns}
+    for rep in range(reps):
+        args = inputs[rep % len(inputs)]
+        rng.shuffle(order)
+        for name in order:
+            fn = fns[name]
+            t0 = time.perf_counter()
+            fn(*args)
+            samples[name].append((time.perf_counter() - t0) * 1e3)
+    return samples
+
+
+def time_side_by_side(fns: dict[str, Runner], inputs: list, reps: int, warmup: int = 2
+                      ) -> dict[str, float]:
+    """Median ms per call of each candidate (see :func:`time_rounds`)."""
+    return {n: statistics.median(v) for n, v in time_rounds(fns, inputs, reps, warmup).items()}
+
+
+def time_pairs(rows: list[tuple[Runner, Runner]], inputs: list, pairs: int
+               ) -> list[tuple[list[float], list[float]]]:
+    """Back-to-back calls of each (candidate, baseline) row: ``pairs`` pairs per row, the
+    order inside a pair alternating (the second call of a pair runs in another cache state),
+    rows interleaved (the machine's drift hits every row alike). Returns, per row, the
+    candidate's and the baseline's seconds, pair by pair."""
+    for fn, base in rows:
+        fn(*inputs[0]), base(*inputs[0])
+    out: list[tuple[list[float], list[float]]] = [([], []) for _ in rows]
+    for i in range(pairs * len(rows)):
+        j = i % len(rows)
+        fn, base = rows[j]
+        args = inputs[i % len(inputs)]
+        base_first = (i // len(rows)) % 2 == 0
+        first, second = (base, fn) if base_first else (fn, base)
+        t0 = time.perf_counter()
+        first(*args)
+        t1 = time.perf_counter()
+        second(*args)
+        t2 = time.perf_counter()
+        t_base, t_fn = (t1 - t0, t2 - t1) if base_first else (t2 - t1, t1 - t0)
+        out[j][0].append(t_fn)
+        out[j][1].append(t_base)
+    return out
+
+
+def paired_ratio(samples: dict[str, list[float]], name: str, baseline: str) -> float:
+    """Median over rounds of ``name``'s time over ``baseline``'s in the same round."""
+    return statistics.median(a / b for a, b in zip(samples[name], samples[baseline]))

@@ -1,0 +1,29 @@
+"""The per-expert loop on the canonical weights: the portable kernel and the reference a
+backend's self-check can compare against."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .._spec import LayerWeights
+from ._activations import gated_activation
+from ._grouping import grouped_by_expert
+
+
+def expert_loop(weights: LayerWeights, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, *, float32: bool = False) -> torch.Tensor:
+    """The layer with one ``F.linear`` pair per active expert, reading the canonical
+    tensors as they are (any strides). ``float32=True`` computes in float32, converting one
+    expert's weights at a time (a whole bf16 layer at once would add 2x its bytes to the
+    peak), and returns float32."""
+    config = weights.config
+    w13, w2, b13, b2 = weights.w13, weights.w2, weights.w13_bias, weights.w2_bias
+    cast = (lambda t: t.float()) if float32 else (lambda t: t)
+
+    def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
+        h = F.linear(xe, cast(w13[e]), cast(b13[e]) if b13 is not None else None)
+        return F.linear(gated_activation(h, config.activation), cast(w2[e]),
+                        cast(b2[e]) if b2 is not None else None)
+
+    return grouped_by_expert(config, x.float() if float32 else x, topk_weights, topk_ids, expert)

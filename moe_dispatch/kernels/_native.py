@@ -1,0 +1,134 @@
+"""Native code built on first use with torch's extension builder, into the user cache.
+
+An accelerator, never a requirement: without a compiler, without ninja, with the backend's
+off switch set, or after a failed build, :meth:`NativeExtension.load` returns None and
+:meth:`NativeExtension.status` says why, so the backend's Python path runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+log = logging.getLogger("moe_dispatch")
+
+_OFF = ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    """moe-dispatch's directory under the user cache ($XDG_CACHE_HOME, else ~/.cache)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moe-dispatch"
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    # torch's builder runs "ninja" from PATH; the ninja wheel puts it next to this
+    # interpreter, which is not on PATH when a venv's python is run without activating it.
+    if shutil.which("ninja") is not None:
+        yield
+        return
+    import ninja  # the pip package
+
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + old
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
+class NativeExtension:
+    """One C++ module: built once per (torch, Python) version, loaded once per process.
+
+    ``switch``: an env variable that turns it off (``0``/``false``/``no``/``off``);
+    ``dir_env``: one that overrides the build directory; ``before_build``: imports the
+    module's C++ needs registered first (e.g. the vendor library that registers an op).
+    """
+
+    def __init__(self, name: str, sources: Sequence[Path], *, switch: str, dir_env: str,
+                 what: str, extra_cflags: Sequence[str] = ("-O2",),
+                 before_build: Callable[[], None] | None = None) -> None:
+        self.name, self.sources, self.what = name, [str(s) for s in sources], what
+        self.switch, self.dir_env = switch, dir_env
+        self.extra_cflags = list(extra_cflags)
+        self.before_build = before_build
+        self.verbose = False
+        self._lock = threading.Lock()
+        self._result: tuple[ModuleType | None, str] | None = None
+
+    def build_directory(self) -> Path:
+        env = os.environ.get(self.dir_env)
+        if env:
+            return Path(env)
+        tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+        return cache_dir() / "native" / tag
+
+    def disabled(self) -> bool:
+        return os.environ.get(self.switch, "1").strip().lower() in _OFF
+
+    def load(self) -> ModuleType | None:
+        """The compiled module, or None. Decided once per process."""
+        if self._result is None:
+            with self._lock:
+                if self._result is None:
+                    self._result = self._build_and_load()
+        return self._result[0]
+
+    def status(self) -> str:
+        """Whether it is in use in this process, and why not."""
+        if self._result is None:
+            return "not loaded yet (it loads on first use)"
+        return self._result[1]
+
+    def describe(self) -> str:
+        """The status without building anything (for ``moe-dispatch doctor``)."""
+        if self._result is not None:
+            return self._result[1]
+        if self.disabled():
+            return f"off ({self.switch}={os.environ.get(self.switch)}): the Python path runs"
+        directory = self.build_directory()
+        if any(directory.glob(f"{self.name}*.so")):
+            return f"built ({directory}); loads on first use"
+        return "not built yet: it builds on first use (~30 s)"
+
+    def _build_and_load(self) -> tuple[ModuleType | None, str]:
+        if self.disabled():
+            return None, f"off ({self.switch}={os.environ.get(self.switch)}): the Python path runs"
+        compiler = os.environ.get("CXX", "c++")
+        if shutil.which(compiler) is None:
+            reason = f"no C++ compiler ({compiler!r} is not on PATH)"
+            log.warning("moe-dispatch: %s unavailable: %s; the Python path runs", self.what, reason)
+            return None, f"unavailable: {reason}; the Python path runs"
+        directory = self.build_directory()
+        t0 = time.perf_counter()
+        try:
+            if self.before_build is not None:
+                self.before_build()
+            from torch.utils.cpp_extension import load as build
+
+            directory.mkdir(parents=True, exist_ok=True)
+            log.info("moe-dispatch: loading the %s from %s (compiled on first use: ~30 s)",
+                     self.what, directory)
+            with _ninja_on_path():
+                module = build(name=self.name, sources=self.sources, build_directory=str(directory),
+                               extra_cflags=self.extra_cflags, verbose=self.verbose)
+        except Exception as exc:  # a failed build degrades to the Python path, never breaks it
+            # The first line only (a compiler log follows it); a verbose build shows all.
+            first = (str(exc).strip().splitlines() or [""])[0]
+            reason = f"{type(exc).__name__}: {first}"
+            log.warning("moe-dispatch: building the %s in %s failed (%s); the Python path runs",
+                        self.what, directory, reason)
+            return None, f"unavailable: build failed ({reason}); the Python path runs"
+        log.info("moe-dispatch: %s ready in %.1f s", self.what, time.perf_counter() - t0)
+        return module, f"in use ({directory})"

@@ -1,0 +1,43 @@
+"""Op schema checks by argument names and types: the one policy every backend uses.
+
+An op's schema string changes with its library's version. What a caller depends on is the
+positional arguments it passes (name and type, in order) and that nothing new is required;
+new optional arguments, renamed return annotations or alias marks are harmless.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+Argument = tuple[str, str]  # (name, type as torch prints it: "Tensor", "Optional[Tensor]", "int")
+
+
+def schema_arguments(schema: str) -> tuple[Argument, ...]:
+    """The (name, type) of every argument of a schema string (raises ValueError if unparsable)."""
+    try:
+        parsed = torch._C.parse_schema(schema)
+    except Exception as exc:
+        raise ValueError(f"cannot parse the op schema {schema!r} ({exc})") from None
+    return tuple((a.name, str(a.type)) for a in parsed.arguments)
+
+
+def schema_problem(schema: str | None, expected: Sequence[Argument]) -> str | None:
+    """None when ``schema`` starts with exactly the ``expected`` (name, type) arguments and
+    has no further required ones; otherwise what differs, in words."""
+    if schema is None:
+        return "the op is not registered in this process"
+    try:
+        parsed = torch._C.parse_schema(schema)
+    except Exception as exc:  # an unparsable schema is a mismatch, not a crash
+        return f"cannot parse the op schema ({exc})"
+    args = [(a.name, str(a.type)) for a in parsed.arguments]
+    want = [tuple(a) for a in expected]
+    if args[:len(want)] != want:
+        fmt = lambda items: ", ".join(f"{t} {n}" for n, t in items)  # noqa: E731
+        return f"expected arguments ({fmt(want)}), found ({fmt(args[:len(want)])})"
+    extra = [a.name for a in parsed.arguments[len(want):] if not a.has_default_value()]
+    if extra:
+        return f"new required arguments {extra}"
+    return None
