@@ -22,7 +22,9 @@ import time
 import torch
 
 import moe_dispatch as md
-from moe_dispatch._bench import prepared_layers, random_inputs, random_weights, time_side_by_side
+from moe_dispatch._bench import prepared_layers
+from moe_dispatch._timing import time_side_by_side
+from moe_dispatch.testing import random_inputs, random_weights
 
 CONFIGS = {
     "C1": dict(num_experts=8, top_k=2, hidden_size=1024, intermediate_size=1408),
@@ -37,7 +39,7 @@ def _weights(config: md.MoEConfig, seed: int = 0) -> tuple[torch.Tensor, torch.T
 
 def raw_zentorch(layer: md.MoELayer):
     """The op itself on the layer's prepared private weights."""
-    state = layer._active[1]
+    state = layer.plan.route.state
 
     def run(x, tw, ids):
         out = torch.empty_like(x)
@@ -50,7 +52,7 @@ def raw_zentorch(layer: md.MoELayer):
 def direct_apply(layer: md.MoELayer):
     """The chosen backend's apply on the layer's prepared state, without the layer: the
     kernel called directly, for backends that have no single vendor op (torch, oneDNN)."""
-    rec, state = layer._active
+    rec, state = layer.plan.route.record, layer.plan.route.state
     apply = rec.spec.backend.apply
 
     def run(x, tw, ids):

@@ -20,7 +20,7 @@ import transformers
 
 import moe_dispatch as md
 import moe_dispatch.hf as mdhf
-from moe_dispatch._bench import time_rounds
+from moe_dispatch._timing import time_rounds
 
 BLOCKS = {
     "qwen3_moe E=64 K=8 H=2048 I=768": lambda: transformers.Qwen3MoeConfig(

@@ -15,11 +15,11 @@ real call path:
 - backend.apply (Python): the zentorch backend's Python call (its dtype, contiguity and
   duplicate-id checks, then the op);
 - MoELayer: the layer as an engine calls it: on a plain call, its hooks check and then the
-  backend's C++ entry (zentorch_native.cpp), which does every check and the op call;
+  backend's C++ entry (backends/zentorch/native.cpp), which does every check and the op call;
 - MoELayer without the native entry: the path that runs where the C++ module cannot be
   built (except that here the op call still goes through the module's run_op; without the
   module it takes a Python lock instead);
-- MoELayer's Python path (its _forward_eager, without __call__), over the raw op and over
+- MoELayer's Python path (without __call__ and the native entry), over the raw op and over
   backend.apply (the framework alone);
 - the layer called through torch's stock nn.Module.__call__, paired with the Python path
   (what MoELayer.__call__'s hook shortcut saves);
@@ -40,7 +40,8 @@ import time
 import torch
 
 import moe_dispatch as md
-from moe_dispatch._bench import random_inputs, random_weights, time_pairs
+from moe_dispatch._timing import time_pairs
+from moe_dispatch.testing import random_inputs, random_weights
 
 from bench_backends import raw_zentorch
 from bench_perf import CONFIGS
@@ -57,10 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     if layer.backend != "zentorch":
         print(f"the layer runs {layer.backend!r}; this breakdown is for zentorch", file=sys.stderr)
         return 1
-    from moe_dispatch_backends import zentorch_native
+    import attrs
+    from moe_dispatch_backends.zentorch import native as zentorch_native
 
     print(f"zentorch native path: {zentorch_native.status()}")
-    rec, state = layer._active
+    rec, state = layer.plan.route.record, layer.plan.route.state
     raw = raw_zentorch(layer)
 
     def op_and_lock(x, tw, ids):
@@ -71,23 +73,21 @@ def main(argv: list[str] | None = None) -> int:
     apply = lambda x, tw, ids: rec.spec.backend.apply(state, x, tw, ids)  # noqa: E731
     # What MoELayer.__call__ saves: the same layer called through torch's own __call__.
     module_call = lambda x, tw, ids: torch.nn.Module.__call__(layer, x, tw, ids)  # noqa: E731
-    # What BackendSpec.validates_ids saves: a second layer on the same prepared state whose
-    # fast path does the id range check, as for a backend that does not declare it. (It
-    # borrows the first layer's fast-path constants, the last of which is that flag; it is
-    # never prepared itself, which is fine for valid inputs.)
+    # What BackendSpec.validates_ids saves: a second layer running the same plan with the
+    # id range check on (never prepared itself, which is fine for valid inputs).
     checking = md.MoELayer(config)
-    checking._fast = layer._fast[:-1] + (True,)
-    # The layer as it runs where the C++ module cannot be built: the same call path and
-    # state, without the native entry (borrowed the same way).
+    checking._plan = attrs.evolve(layer.plan, check_ids=True, native=None, native_route=None)
+    # The layer as it runs where the C++ module cannot be built: the same plan without
+    # the native entry.
     no_entry = md.MoELayer(config)
-    no_entry._fast = layer._fast
+    no_entry._plan = attrs.evolve(layer.plan, native=None, native_route=None)
     # (label, candidate, baseline): each candidate is timed in pairs with its baseline.
     # The layer without its native entry: what runs where the C++ module cannot be built.
-    python_path = layer._forward_eager
+    python_path = layer._run_python  # what run(..., native=False) calls
     rows = [("raw op (control)", raw, raw), ("op + lock", op_and_lock, raw),
             ("backend.apply (Python)", apply, raw), ("MoELayer", layer, raw),
             ("MoELayer without the native entry", no_entry, raw),
-            ("MoELayer's Python path (_forward_eager, no __call__)", python_path, raw),
+            ("MoELayer's Python path (no __call__, no entry)", python_path, raw),
             ("MoELayer's Python path over backend.apply (the framework alone)", python_path, apply),
             ("stock nn.Module.__call__ over the Python path", module_call, python_path),
             ("the layer's id range check (validates_ids=False)", checking, python_path)]

@@ -28,7 +28,8 @@ import time
 import torch
 
 import moe_dispatch as md
-from moe_dispatch._bench import paired_ratio, random_inputs, random_weights, time_pairs, time_rounds
+from moe_dispatch._timing import paired_ratio, time_pairs, time_rounds
+from moe_dispatch.testing import random_inputs, random_weights
 
 from bench_backends import direct_apply, raw_zentorch
 

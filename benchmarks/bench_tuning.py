@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import moe_dispatch as md
-from moe_dispatch._bench import random_weights
+from moe_dispatch.testing import random_weights
 
 from bench_perf import BUILTINS, CONFIGS
 

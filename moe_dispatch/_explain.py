@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ._resolution import Resolution, Status
+
+if TYPE_CHECKING:
+    from ._plan import ExecutionPlan
 
 
 def _reason(res: Resolution, status: Status, reason: str) -> str:
@@ -36,3 +41,21 @@ def format_table(res: Resolution) -> str:
     if res.backend:
         out += ["", f"=> {res.backend}"]
     return "\n".join(out)
+
+
+def explain_layer(res: Resolution, plan: "ExecutionPlan | None") -> str:
+    """A layer's explanation: its resolution, then how its plan runs (native entry, tuning)."""
+    text = format_table(res)
+    if plan is None:
+        return text + "\n(config stage only: call prepare() for the layer-level decision)"
+    if plan.native is not None:
+        text += ("\nforward: plain calls take the backend's native entry (fast_call); "
+                 "others the Python path")
+    if plan.tuned:
+        lines = ["", "policy=fastest, tuned per token bucket (T <= bucket):"]
+        for t, row in plan.tuned.items():
+            times = ", ".join(f"{n} {ms:.3f} ms" for n, ms in row.items() if n != "winner")
+            lines.append(f"  T<={t:<5} {row['winner']:<12} "
+                         f"{('(' + times + ')') if times else '(from the tuning cache)'}")
+        text += "\n".join(lines)
+    return text

@@ -19,6 +19,7 @@ from ._canonical import CanonicalWeights
 from ._capabilities import Capabilities
 from ._compile import register_layer
 from ._config import MoEConfig
+from ._explain import explain_layer
 from ._errors import (InvalidArgumentError, InvalidTypeError, KernelError, LayerStateError,
                       MoEDispatchError)
 from ._options import LayerOptions
@@ -45,24 +46,14 @@ log = logging.getLogger("moe_dispatch")
 class MoELayer(torch.nn.Module):
     """A MoE experts layer whose kernel is chosen by the resolver.
 
-    ``strict`` (or env ``MOE_DISPATCH_STRICT=1``): a kernel that fails at run time raises
+    ``strict`` (env ``MOE_DISPATCH_STRICT=1``): a kernel failing at run time raises
     :class:`KernelError` instead of falling back to the next accepting backend.
-
-    ``keep_canonical`` (default True): the layer keeps references to the caller's
-    canonical tensors after ``prepare()``, so a fallback backend can be prepared from
-    intact weights. With False it keeps only weak references: once the caller drops its
-    tensors, only the backend's own copy remains (less memory) and a failing kernel
-    raises :class:`KernelError` instead of falling back.
-
-    ``policy`` (or env ``MOE_DISPATCH_POLICY``): ``"priority"`` (default) runs the resolver's
-    choice; ``"fastest"`` times the accepting backends at ``prepare()`` per power-of-two
-    token bucket (up to ``tune_max_tokens``, within ``tune_budget_s``) and runs each bucket's
-    winner (another backend replaces the priority choice only when it is more than 2%
-    faster). It keeps the prepared state of every backend that wins a bucket;
-    ``max_candidates`` caps how many backends are tried. Tuned tables persist in
-    ``tuning_cache`` (default: env ``MOE_DISPATCH_TUNING_CACHE`` or
-    ``~/.cache/moe-dispatch/tuning.json``; ``False`` disables persistence).
-
+    ``keep_canonical=False``: only weak references to the caller's tensors are kept after
+    ``prepare()`` (less memory; a failing kernel then cannot fall back).
+    ``policy`` (env ``MOE_DISPATCH_POLICY``): ``"priority"`` runs the resolver's choice;
+    ``"fastest"`` times the accepting backends per token bucket at ``prepare()`` (up to
+    ``tune_max_tokens``, within ``tune_budget_s``, at most ``max_candidates``) and keeps the
+    table in ``tuning_cache`` (docs/tuning.md).
     Expert parallelism has its own layer, :class:`~moe_dispatch.ExpertParallelLayer`.
     """
 
@@ -181,31 +172,16 @@ class MoELayer(torch.nn.Module):
         return {t: row["winner"] for t, row in plan.tuned.items()}
 
     def explain(self) -> str:
-        plan = self._plan
-        text = self.resolution.explain()
-        if plan is None:
-            return text + "\n(config stage only: call prepare() for the layer-level decision)"
-        if plan.native is not None:
-            text += ("\nforward: plain calls take the backend's native entry (fast_call); "
-                     "others the Python path")
-        if plan.tuned:
-            lines = ["", "policy=fastest, tuned per token bucket (T <= bucket):"]
-            for t, row in plan.tuned.items():
-                times = ", ".join(f"{n} {ms:.3f} ms" for n, ms in row.items() if n != "winner")
-                lines.append(f"  T<={t:<5} {row['winner']:<12} "
-                             f"{('(' + times + ')') if times else '(from the tuning cache)'}")
-            text += "\n".join(lines)
-        return text
+        return explain_layer(self.resolution, self._plan)
 
     def extra_repr(self) -> str:
         return f"{self.config.describe()}, backend={self.backend!r}, prepared={self.prepared}"
 
     # -- running -------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # nn.Module.__call__ without its hook machinery when nothing needs it: measured here,
-        # Module.__call__ costs ~60 us per call at E=64 H=2048 T=1 (every line after a kernel
-        # that streamed 150 MB runs cold), 1% of the kernel. Hooks, compiled modules, JIT
-        # tracing and torch.compile tracing all take the standard path.
+        # nn.Module.__call__ without its hook machinery when nothing needs it (measured: ~60 us
+        # per call at E=64 H=2048 T=1, every line running cold after the kernel). Hooks,
+        # compiled modules and JIT or torch.compile tracing take the standard path.
         plan = self._plan
         if (plan is None or not plan.watched or self._compiled_call_impl is not None
                 or self._forward_hooks or self._forward_pre_hooks or self._backward_hooks

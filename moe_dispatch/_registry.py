@@ -12,14 +12,13 @@ import contextlib
 import importlib.metadata as importlib_metadata
 import itertools
 import logging
-import os
 import threading
 from typing import Any, Iterable, Iterator
 
-import attrs
 import pluggy
 
-from ._errors import PluginError, UnknownBackendError
+from ._errors import PluginError
+from ._records import PluginFailure, RegistrySnapshot, contested, duplicate_message, env_names, origin
 from ._spec import (ENTRY_POINT_GROUP, PROJECT, BackendHookSpec, BackendRecord, BackendSpec,
                     hookimpl, normalize_name)
 
@@ -29,42 +28,6 @@ BUILTIN_DISTRIBUTION = "moe-dispatch"
 
 # Generations are unique across registries, so resolution-cache keys never collide.
 _GENERATIONS = itertools.count(1)
-
-
-def env_names(var: str) -> frozenset[str]:
-    """A comma-separated list of names from the environment, normalised."""
-    raw = os.environ.get(var, "")
-    return frozenset(normalize_name(n) for n in raw.split(",") if n.strip())
-
-
-@attrs.frozen(slots=True)
-class PluginFailure:
-    """A plugin that could not be used, and why (shown by explain and doctor)."""
-
-    plugin: str
-    source: str
-    error: str
-
-
-@attrs.frozen(slots=True)
-class RegistrySnapshot:
-    """An immutable view of the registry at one generation."""
-
-    generation: int
-    records: tuple[BackendRecord, ...]  # sorted by BackendRecord.sort_key
-    failures: tuple[PluginFailure, ...]
-
-    def by_name(self, name: str) -> BackendRecord:
-        key = normalize_name(name)
-        for rec in self.records:
-            if rec.name == key:
-                return rec
-        raise UnknownBackendError(
-            f"unknown backend {name!r}: registered backends are "
-            f"{', '.join(r.name for r in self.records) or '(none)'}")
-
-    def names(self) -> list[str]:
-        return [r.name for r in self.records]
 
 
 class Registry:
@@ -149,9 +112,9 @@ class Registry:
             before = self.snapshot()
             if isinstance(plugin, BackendSpec):
                 # Its plugin takes the backend's name: check the name before pluggy does.
-                contested = _contested(list(before.records) + [BackendRecord(plugin, "?", source)])
-                if contested:
-                    raise PluginError(_duplicate_message(*next(iter(contested.items()))))
+                clash = contested(list(before.records) + [BackendRecord(plugin, "?", source)])
+                if clash:
+                    raise PluginError(duplicate_message(*next(iter(clash.items()))))
                 plugin = _SpecPlugin(plugin)
                 name = name or plugin.spec.name
             pname = normalize_name(name) if name else None
@@ -170,8 +133,8 @@ class Registry:
             if isinstance(new, PluginFailure):
                 problem = f"plugin {registered!r} is invalid: {new.error}"
             else:
-                contested = _contested(list(before.records) + new)
-                problem = _duplicate_message(*next(iter(contested.items()))) if contested else None
+                clash = contested(list(before.records) + new)
+                problem = duplicate_message(*next(iter(clash.items()))) if clash else None
             if problem:
                 self._pm.unregister(name=registered)
                 self._sources.pop(registered, None)
@@ -251,14 +214,14 @@ class Registry:
                     continue
                 collected.extend(got)
             # Deterministic and never silent: a contested name is served by nobody.
-            contested = _contested(collected)
-            for name, recs in contested.items():
-                failure = PluginFailure(name, " and ".join(_origin(r) for r in recs),
-                                        _duplicate_message(name, recs) + "; neither is used "
+            clash = contested(collected)
+            for name, recs in clash.items():
+                failure = PluginFailure(name, " and ".join(origin(r) for r in recs),
+                                        duplicate_message(name, recs) + "; neither is used "
                                         "until one is removed or disabled")
                 failures.append(failure)
                 self._warn_once(failure)
-            records = sorted((r for r in collected if r.name not in contested),
+            records = sorted((r for r in collected if r.name not in clash),
                              key=BackendRecord.sort_key)
             self._snapshot = RegistrySnapshot(self._generation, tuple(records), tuple(failures))
             return self._snapshot
@@ -269,22 +232,6 @@ class Registry:
             self._warned.add(key)
             log.warning("moe-dispatch plugin %s (%s) excluded: %s", failure.plugin,
                         failure.source, failure.error)
-
-
-def _origin(rec: BackendRecord) -> str:
-    return rec.source if rec.plugin == "?" else f"{rec.source} (plugin {rec.plugin!r})"
-
-
-def _contested(records: Iterable[BackendRecord]) -> dict[str, list[BackendRecord]]:
-    """The one duplicate-name rule: a backend name provided by more than one record."""
-    by_name: dict[str, list[BackendRecord]] = {}
-    for rec in records:
-        by_name.setdefault(rec.name, []).append(rec)
-    return {name: recs for name, recs in by_name.items() if len(recs) > 1}
-
-
-def _duplicate_message(name: str, recs: list[BackendRecord]) -> str:
-    return f"duplicate backend name {name!r}: provided by " + " and by ".join(map(_origin, recs))
 
 
 class _SpecPlugin:
