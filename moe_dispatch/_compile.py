@@ -13,19 +13,27 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from ._layer import MoELayer
+
+class _Runs(Protocol):
+    """What the op needs of a layer (MoELayer): its eager call. A protocol, not an import of
+    the layer, which itself imports this module to register."""
+
+    def run(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def __call__(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor) -> torch.Tensor: ...
 
 _LOCK = threading.Lock()
-_LAYERS: "weakref.WeakValueDictionary[int, MoELayer]" = weakref.WeakValueDictionary()
+_LAYERS: "weakref.WeakValueDictionary[int, _Runs]" = weakref.WeakValueDictionary()
 _HANDLES = itertools.count(1)
 
 
-def register_layer(layer: "MoELayer") -> int:
+def register_layer(layer: _Runs) -> int:
     with _LOCK:
         handle = next(_HANDLES)
         _LAYERS[handle] = layer
@@ -48,7 +56,7 @@ def _(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     return hidden_states.new_empty(hidden_states.shape)
 
 
-def moe_experts(layer: "MoELayer", hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+def moe_experts(layer: _Runs, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
     """Functional entry point: ``layer``'s experts on one batch; traceable by torch.compile."""
     return layer(hidden_states, topk_weights, topk_ids)

@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
-from ._resolution import Resolution, Status
+# Rendering imports nothing it renders: Resolution.explain() calls format_table, so an import
+# of _resolution here would be a cycle. ``res`` is a Resolution, ``plan`` an ExecutionPlan.
 
-if TYPE_CHECKING:
-    from ._plan import ExecutionPlan
+# Status values (Status is a str enum: its members compare equal to these).
+_STANDBY, _NOT_FORCED, _CHOSEN = "standby", "not forced", "chosen"
 
 
-def _reason(res: Resolution, status: Status, reason: str) -> str:
-    if status is Status.STANDBY:
+def _reason(res: Any, status: str, reason: str) -> str:
+    if status == _STANDBY:
         return "accepted; a higher-priority backend was chosen" + (f" ({reason})" if reason else "")
-    if status is Status.NOT_FORCED:
+    if status == _NOT_FORCED:
         return f"accepted; not the forced backend ({res.forced})"
-    if status is Status.CHOSEN and not reason:
+    if status == _CHOSEN and not reason:
         return "accepted" + (" (forced)" if res.forced else "")
     return reason
 
 
-def format_table(res: Resolution) -> str:
+def format_table(res: Any) -> str:
     """Order, backend, priority, result, reason; then notes, plugin failures, the choice."""
     caps = res.capabilities
     head = [f"moe-dispatch resolution ({res.stage} stage) for {res.config.describe()}",
@@ -31,7 +32,7 @@ def format_table(res: Resolution) -> str:
         head.append(f"excluded: {', '.join(sorted(res.excluded))}")
     rows = [("#", "backend", "priority", "result", "reason")]
     for i, c in enumerate(res.candidates, 1):
-        rows.append((str(i), c.name, str(c.priority), c.status.value, _reason(res, c.status, c.reason)))
+        rows.append((str(i), c.name, str(c.priority), str(c.status), _reason(res, c.status, c.reason)))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4] for r in rows]
     out = head + [""] + lines + list(res.notes)
@@ -43,7 +44,7 @@ def format_table(res: Resolution) -> str:
     return "\n".join(out)
 
 
-def explain_layer(res: Resolution, plan: "ExecutionPlan | None") -> str:
+def explain_layer(res: Any, plan: Any) -> str:
     """A layer's explanation: its resolution, then how its plan runs (native entry, tuning)."""
     text = format_table(res)
     if plan is None:

@@ -285,3 +285,19 @@ def test_negative_ids_never_reach_a_backend_that_does_not_check_them():
 def test_validates_ids_must_be_a_bool():
     with pytest.raises(TypeError, match="validates_ids"):
         md.BackendSpec("x", 1, IndexingBackend(), validates_ids="yes")
+
+
+def test_layer_stage_walks_the_config_stage_snapshot():
+    """A backend registered between MoELayer() and prepare() is not half-considered: the
+    layer stage walks the records the config stage resolved against."""
+    from moe_dispatch.testing.strategies import Gate, SyntheticBackend
+    reg = torch_and()
+    with md.use_registry(reg):
+        cfg = md.MoEConfig(8, 2, 64, 32, dtype=torch.float32)
+        layer = md.MoELayer(cfg).load_weights(**random_weights(cfg))
+        gate = Gate(frozenset({torch.float32}), None, 1)
+        reg.register(md.BackendSpec("newcomer", 99, SyntheticBackend(gate)))
+        layer.prepare()
+        assert layer.backend == "torch"
+        assert [c.name for c in layer.resolution.candidates] == ["torch"]
+        assert md.MoELayer(cfg).load_weights(**random_weights(cfg)).prepare().backend == "newcomer"
