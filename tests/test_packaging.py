@@ -26,6 +26,7 @@ def test_wheel_contents_and_import(tmp_path):
     wheel = next((tmp_path / "dist").glob("moe_dispatch-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "moe_dispatch_backends/zentorch/__init__.py" in names
+    assert "moe_dispatch_backends/vllm_cpu/__init__.py" in names
     # the C++ source of the zentorch backend's decode entry, compiled on the user's machine
     assert "moe_dispatch_backends/zentorch/native.cpp" in names
     assert not any(n.startswith("backends/") for n in names)
@@ -36,5 +37,5 @@ def test_wheel_contents_and_import(tmp_path):
                          check=True, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
     data = json.loads(out.stdout.strip().splitlines()[-1])
     assert data["md"].startswith(str(target)) and data["be"].startswith(str(target))
-    assert {"zentorch", "amx_grouped", "onednn", "torch"} <= set(data["backends"])
+    assert {"zentorch", "vllm", "amx_grouped", "onednn", "torch"} <= set(data["backends"])
     assert data["failures"] == [] and data["bare"] is False

