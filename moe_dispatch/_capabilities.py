@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import platform
+import threading
 from typing import Any, Iterable, Mapping
 
 import attrs
@@ -63,7 +64,13 @@ class Capabilities:
         for op_name, schema in self.ops:
             if op_name == name:
                 return schema
-        return probe_op(name) if self.live_ops else None
+        if not self.live_ops:
+            return None
+        schema = probe_op(name)
+        asked = getattr(_ASKED, "names", None)
+        if asked is not None:  # a resolution is recording which ops its gates looked up
+            asked[name] = schema
+        return schema
 
     def has_op(self, name: str) -> bool:
         return self.op_schema(name) is not None
@@ -134,6 +141,20 @@ def _read_cpuinfo() -> dict[str, str]:
 # Ops once found stay registered for the life of the process, so found schemas are
 # memoised; absent ones are asked again (a library may register them later).
 _FOUND: dict[str, str] = {}
+_ASKED = threading.local()
+
+
+class record_ops:  # noqa: N801 - used as a context manager, named for what it does
+    """Within this block, remember every live op lookup (name -> schema or None): the
+    resolver keys its cache on the answers the gates actually got."""
+
+    def __enter__(self) -> dict[str, str | None]:
+        self.previous = getattr(_ASKED, "names", None)
+        _ASKED.names = {}
+        return _ASKED.names
+
+    def __exit__(self, *exc: object) -> None:
+        _ASKED.names = self.previous
 
 
 def probe_op(qualified: str) -> str | None:

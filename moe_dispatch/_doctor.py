@@ -11,6 +11,7 @@ from typing import Any
 from ._capabilities import Capabilities
 from ._registry import get_registry
 from ._spec import BackendRecord
+from .kernels import schema_arguments, schema_problem
 
 FRAMEWORK_ENV = ("MOE_DISPATCH_BACKEND", "MOE_DISPATCH_DISABLE", "MOE_DISPATCH_PLUGINS",
                  "MOE_DISPATCH_STRICT", "MOE_DISPATCH_POLICY", "MOE_DISPATCH_TUNING_CACHE",
@@ -35,8 +36,12 @@ def backend_diagnostics(rec: BackendRecord) -> dict[str, str]:
 
 
 def _op_status(caps: Capabilities, name: str, expected: str) -> str:
+    """The gates' policy (arguments by name and type), not string equality."""
     got = caps.op_schema(name)
-    return "missing" if got is None else ("ok" if got == expected else f"differs: {got}")
+    if got is None:
+        return "missing"
+    problem = schema_problem(got, schema_arguments(expected))
+    return "ok" if problem is None else f"differs: {problem}"
 
 
 def collect() -> dict[str, Any]:

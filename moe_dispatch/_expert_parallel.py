@@ -37,8 +37,10 @@ class ExpertParallelLayer(torch.nn.Module):
 
     ``forward(hidden_states, topk_weights, topk_ids)`` takes **global** ids and returns
     ``out_r[t] = sum over k owned here of topk_weights[t,k] * expert(x[t])`` as a float32
-    tensor: the sum over ranks is taken in float32 (``moe_dispatch.distributed.ep_forward``
-    all-reduces it) and rounded to the layer dtype once, after the reduce. Keyword arguments
+    tensor: each owned (token, slot) row comes from the local backend in the layer dtype, as
+    any backend's output does; the sums (over slots, then over ranks in
+    ``moe_dispatch.distributed.ep_forward``'s all-reduce) are float32, rounded to the layer
+    dtype once, after the reduce. Keyword arguments
     are those of :class:`MoELayer`, for the local layer.
     """
 

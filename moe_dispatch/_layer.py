@@ -49,7 +49,8 @@ class MoELayer(torch.nn.Module):
     ``strict`` (env ``MOE_DISPATCH_STRICT=1``): a kernel failing at run time raises
     :class:`KernelError` instead of falling back to the next accepting backend.
     ``keep_canonical=False``: only weak references to the caller's tensors are kept after
-    ``prepare()`` (less memory; a failing kernel then cannot fall back).
+    ``prepare()`` (less memory; a failing kernel falls back only while the caller still
+    holds them, else it raises :class:`KernelError`).
     ``policy`` (env ``MOE_DISPATCH_POLICY``): ``"priority"`` runs the resolver's choice;
     ``"fastest"`` times the accepting backends per token bucket at ``prepare()`` (up to
     ``tune_max_tokens``, within ``tune_budget_s``, at most ``max_candidates``) and keeps the
@@ -284,7 +285,7 @@ class MoELayer(torch.nn.Module):
         if self.options.strict:
             raise KernelError(f"backend {rec.name!r} failed at run time ({error}); strict "
                               "mode forbids a fallback") from exc
-        if self.options.forced:
+        if self._config_resolution.forced is not None:
             raise KernelError(f"forced backend {rec.name!r} failed at run time ({error}); a "
                               "forced backend never falls back") from exc
         with self._lock:

@@ -63,8 +63,3 @@ class LayerOptions:
                    strict=env_flag("MOE_DISPATCH_STRICT") if strict is None else bool(strict),
                    keep_canonical=bool(keep_canonical), policy=policy,
                    tuning=TuningOptions(max_candidates, tune_max_tokens, float(tune_budget_s), cache))
-
-    @property
-    def forced(self) -> bool:
-        """Whether a backend is forced (argument or env): a forced backend never falls back."""
-        return self.backend is not None or bool(os.environ.get("MOE_DISPATCH_BACKEND"))

@@ -76,11 +76,6 @@ class ExecutionPlan:
     dtype: torch.dtype = torch.float32
     check_ids: bool = True  # False when every route's kernel rejects bad ids itself
 
-    @property
-    def fast(self) -> bool:
-        """Whether the forward's short path applies (it needs the watched tensors)."""
-        return bool(self.watched)
-
     def route_for(self, tokens: int) -> Route:
         table = self.table
         return self.route if table is None else table[bucket_index(tokens, len(table))]

@@ -39,6 +39,7 @@ class Registry:
         self._pm.add_hookspecs(BackendHookSpec)
         self._sources: dict[str, str] = {}
         self._dists: dict[str, str] = {}  # plugin name -> distribution (entry points only)
+        self._contested_names: frozenset[str] = frozenset()  # served by nobody
         self._load_failures: list[PluginFailure] = []
         self._want_entry_points = load_entry_points
         self._entry_points_loaded = False
@@ -115,6 +116,9 @@ class Registry:
                 clash = contested(list(before.records) + [BackendRecord(plugin, "?", source)])
                 if clash:
                     raise PluginError(duplicate_message(*next(iter(clash.items()))))
+                if plugin.name in self._contested_names:
+                    raise PluginError(f"duplicate backend name {plugin.name!r}: already contested "
+                                      "by two discovered plugins (see plugin_failures())")
                 plugin = _SpecPlugin(plugin)
                 name = name or plugin.spec.name
             pname = normalize_name(name) if name else None
@@ -215,6 +219,7 @@ class Registry:
                 collected.extend(got)
             # Deterministic and never silent: a contested name is served by nobody.
             clash = contested(collected)
+            self._contested_names = frozenset(clash)
             for name, recs in clash.items():
                 failure = PluginFailure(name, " and ".join(origin(r) for r in recs),
                                         duplicate_message(name, recs) + "; neither is used "

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 
 import attrs
 
-from ._capabilities import Capabilities
+from ._capabilities import Capabilities, probe_op, record_ops
 from ._config import MoEConfig
 from ._decision import Decision, reject
 from ._errors import (BackendRejectedError, InvalidArgumentError, InvalidTypeError,
@@ -80,13 +80,13 @@ class _Cache:
 
     def __init__(self, limit: int = 4096) -> None:
         self._lock = threading.Lock()
-        self._data: dict[Any, Resolution] = {}
+        self._data: dict[Any, tuple[Resolution, tuple[tuple[str, str | None], ...]]] = {}
         self._limit = limit
 
-    def get(self, key: Any) -> Resolution | None:
+    def get(self, key: Any) -> tuple[Resolution, tuple[tuple[str, str | None], ...]] | None:
         return self._data.get(key)
 
-    def put(self, key: Any, value: Resolution) -> None:
+    def put(self, key: Any, value: tuple[Resolution, tuple[tuple[str, str | None], ...]]) -> None:
         with self._lock:
             if len(self._data) >= self._limit:
                 self._data.clear()
@@ -145,13 +145,17 @@ def resolve(config: MoEConfig, *, backend: str | None = None, exclude: Iterable[
     by_arg, by_env = _exclusion_sets(exclude)
     snap = get_registry().snapshot()
     key = (snap.generation, config, caps, forced, by_arg, by_env, gate_inputs(snap.records, caps))
-    cached = _CACHE.get(key)
-    if cached is None:
+    hit = _CACHE.get(key)
+    # A hit is valid only while every op a gate looked up still answers the same (a vendor
+    # may register its op after a first resolution rejected it).
+    if hit is not None and all(probe_op(n) == s for n, s in hit[1]):
+        return hit[0]
+    with record_ops() as asked:
         # Failures are not cached: they raise, and the caller fixes the input.
-        cached = _resolve(config, caps, forced, by_arg, by_env, snap.records, snap.failures)
-        _CACHE.put(key, cached)
-        _announce(cached)
-    return cached
+        res = _resolve(config, caps, forced, by_arg, by_env, snap.records, snap.failures)
+    _CACHE.put(key, (res, tuple(asked.items())))
+    _announce(res)
+    return res
 
 
 def _status(rec: BackendRecord, dec: Decision, excluded: bool, chosen: str | None,

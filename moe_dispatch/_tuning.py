@@ -210,6 +210,15 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
             table = None  # a cached winner no longer prepares: measure again
     if table is None:
         prepare_all(names)
+        x, tw, ids = random_inputs(config, 1, pool=1, seed=0)[0]
+        for name in [n for n in prepared if n != chosen.name]:
+            r = prepared[name]
+            try:  # a candidate whose kernel fails is not timed (and never wins a bucket)
+                r.apply(r.state, x, tw, ids)
+            except Exception as exc:
+                log.warning("moe-dispatch: %r failed a tuning call (%s: %s); not a candidate",
+                            name, type(exc).__name__, exc)
+                del prepared[name]
         runners = {n: (lambda x, tw, ids, _r=prepared[n]: _r.apply(_r.state, x, tw, ids))
                    for n in sorted(prepared)}
         table, timings = measure(runners, config, sizes, options.budget_s, chosen.name)

@@ -101,8 +101,11 @@ def test_moe_layer_and_resolve_refuse_an_expert_parallel_config():
 def test_every_field_that_changes_the_math_is_compared_across_ranks():
     """Ranks that disagree on placement, activation, dtype, bias or router-on-input would
     sum wrong partials: each such field is among those the ranks compare."""
+    import attrs
     from moe_dispatch.distributed import config_fields
     base = md.MoEConfig(10, 2, 64, 32, ep_size=2, ep_rank=0)
+    # every config field but the rank itself: a new field must be compared too
+    assert set(config_fields(base)) == {f.name for f in attrs.fields(md.MoEConfig)} - {"ep_rank"}
     for change in (dict(placement="round_robin"), dict(activation="gelu"), dict(dtype=torch.float32),
                    dict(has_bias=True), dict(top_k=1, apply_router_weight_on_input=True)):
         other = md.MoEConfig(**{**dict(num_experts=10, top_k=2, hidden_size=64, intermediate_size=32,

@@ -223,3 +223,26 @@ def test_a_cache_hit_prepares_only_the_winners(tmp_path):
             assert b.prepared == b_prepared  # loop_b is prepared only when it won a bucket
             x, tw, ids = random_routing(CFG, 2, seed=2)
             assert rel_error(layer(x, tw, ids), reference(CFG, w, x, tw, ids)) <= TOLERANCE[torch.float32]
+
+
+def test_a_candidate_that_fails_while_tuning_is_dropped(tmp_path, caplog):
+    """policy="fastest": a backend whose kernel raises is not timed and wins no bucket;
+    prepare() still succeeds on the others."""
+    from helpers import torch_and
+
+    class Broken(md.BackendBase):
+        def supports_config(self, config, capabilities):
+            return md.accept()
+
+        def process_weights(self, weights, capabilities):
+            return weights
+
+        def apply(self, state, x, tw, ids):
+            raise RuntimeError("broken kernel")
+
+    with md.use_registry(torch_and(md.BackendSpec("broken", -5, Broken()))):
+        cfg = md.MoEConfig(4, 2, 32, 16, dtype=torch.float32)
+        layer = md.MoELayer(cfg, policy="fastest", tune_max_tokens=2, tuning_cache=False)
+        layer.load_weights(**random_weights(cfg)).prepare()
+        assert set(layer.tuned_table.values()) == {"torch"}
+        assert "failed a tuning call" in caplog.text

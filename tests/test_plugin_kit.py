@@ -121,3 +121,45 @@ def test_kit_runs_from_the_command_line():
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "6 passed" in out.stdout
+
+
+def test_an_op_registered_after_a_first_resolution_is_seen(plugin_path):
+    """The resolution cache keeps a gate's answer only while the ops it looked up answer the
+    same: a vendor's op registered later turns a cached rejection into an acceptance."""
+    src = """
+import torch
+import moe_dispatch as md
+from moe_dispatch.kernels import expert_loop
+
+def register_op():
+    torch.library.custom_op("late_ns::scaled_copy", mutates_args=())(_scaled)
+
+def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return x * scale
+
+class Backend(md.BackendBase):
+    def supports_config(self, config, capabilities):
+        if capabilities.op_schema("late_ns::scaled_copy") is None:
+            return md.reject("late_ns::scaled_copy is not registered yet")
+        return md.accept()
+    def process_weights(self, weights, capabilities):
+        return weights
+    def apply(self, state, x, tw, ids):
+        return expert_loop(state, x, tw, ids)
+
+@md.hookimpl
+def moe_dispatch_backends():
+    return [md.BackendSpec("late_op", 500, Backend())]
+"""
+    from fakedist import make_dist
+    make_dist(plugin_path, "late-op-dist", {"late_op": "late_op_mod"}, {"late_op_mod": src})
+    md.reload_plugins()
+    try:
+        assert "late_op" in md.available_backends(), md.plugin_failures()
+        cfg = md.MoEConfig(8, 2, 64, 32, dtype=torch.float32)
+        assert md.resolve(cfg).backend != "late_op"
+        import late_op_mod
+        late_op_mod.register_op()
+        assert md.resolve(cfg).backend == "late_op"
+    finally:
+        md.reload_plugins()
