@@ -20,7 +20,7 @@ import attrs
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.kernels import combine, gated_activation, owned_copy, scale_rows, schema_problem, sort_by_expert
+from moe_dispatch.kernels import combine, gated_activation, op_problem, owned_copy, scale_rows, sort_by_expert
 
 NAME = "amx_grouped"
 PRIORITY = 300
@@ -47,10 +47,9 @@ class AMXGroupedBackend(md.BackendBase):
             return md.reject("needs Intel AMX (amx_tile), which this CPU lacks")
         if config.dtype != torch.bfloat16:
             return md.reject(f"AMX grouped GEMM runs bfloat16 only, not {config.dtype}")
-        problem = schema_problem(caps.op_schema(OP), OP_ARGS)
+        problem = op_problem(caps, OP, OP_ARGS, source=f"torch {caps.torch_version}")
         if problem:
-            return md.reject(f"{OP} in torch {caps.torch_version} has a different signature than "
-                             f"this backend was written for: {problem}")
+            return md.reject(problem)
         for name in ("hidden_size", "intermediate_size"):
             value = getattr(config, name)
             if value % ALIGN:

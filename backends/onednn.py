@@ -18,7 +18,7 @@ import attrs
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.kernels import dtype_name, gated_activation, grouped_by_expert, owned_copy, schema_problem
+from moe_dispatch.kernels import dtype_name, gated_activation, grouped_by_expert, op_problem, owned_copy
 
 NAME = "onednn"
 PRIORITY = 200
@@ -53,10 +53,9 @@ class OneDNNBackend(md.BackendBase):
         if not caps.mkldnn:
             return md.reject("torch cannot use oneDNN (mkldnn) on this machine")
         for op, args in OP_ARGS.items():
-            problem = schema_problem(caps.op_schema(op), args)
+            problem = op_problem(caps, op, args, source=f"torch {caps.torch_version}")
             if problem:
-                return md.reject(f"{op} in torch {caps.torch_version} has a different signature "
-                                 f"than this backend was written for: {problem}")
+                return md.reject(problem)
         if config.dtype == torch.bfloat16 and not (caps.avx512_bf16 or caps.amx_tile):
             return md.reject("bfloat16 through oneDNN needs AVX512-BF16 or AMX, which this CPU "
                              "lacks (the reorder refuses it, or it runs emulated)")

@@ -66,13 +66,11 @@ def call_check(rec: BackendRecord, method: str, *args: Any) -> Decision:
     return result
 
 
-def gate_inputs(records: Iterable[BackendRecord], caps: Capabilities) -> tuple:
-    """What the gates read besides (config, capabilities): the declared env variables and
-    whether each declared op is registered now (a library may register one later)."""
+def gate_env(records: Iterable[BackendRecord]) -> tuple[tuple[str, str | None], ...]:
+    """What the gates read besides (config, capabilities): the env variables they declare.
+    (The ops they look up are checked on every cache hit: see resolve.)"""
     env = sorted({v for r in records for v in r.spec.env_vars})
-    ops = sorted({name for r in records for name, _ in r.spec.ops})
-    return (tuple((v, os.environ.get(v)) for v in env),
-            tuple(caps.op_schema(name) is not None for name in ops))
+    return tuple((v, os.environ.get(v)) for v in env)
 
 
 class _Cache:
@@ -144,7 +142,7 @@ def resolve(config: MoEConfig, *, backend: str | None = None, exclude: Iterable[
     forced = forced_name(backend)
     by_arg, by_env = _exclusion_sets(exclude)
     snap = get_registry().snapshot()
-    key = (snap.generation, config, caps, forced, by_arg, by_env, gate_inputs(snap.records, caps))
+    key = (snap.generation, config, caps, forced, by_arg, by_env, gate_env(snap.records))
     hit = _CACHE.get(key)
     # A hit is valid only while every op a gate looked up still answers the same (a vendor
     # may register its op after a first resolution rejected it).

@@ -29,7 +29,7 @@ fi
 if [ "${1:-}" = "test" ]; then
   # A real, separate distribution with an entry point in moe_dispatch.backends.
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
-    --no-build-isolation ./examples/vendor_plugin
+    --no-build-isolation -e ./examples/vendor_plugin
 fi
 # Build the zentorch backend's C++ decode entry now (compiled once, ~30 s; later runs load it
 # in a fraction of a second) instead of at the first zentorch layer. Not fatal: without it

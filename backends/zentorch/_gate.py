@@ -11,7 +11,7 @@ import os
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.kernels import dtype_name, schema_problem
+from moe_dispatch.kernels import dtype_name, op_problem
 
 OP_NAME = "zentorch::zentorch_fused_moe"
 NO_ZENTORCH = "MOE_DISPATCH_NO_ZENTORCH"
@@ -43,14 +43,10 @@ def supports_config(config: md.MoEConfig, caps: md.Capabilities, library: str) -
     """``library``: the zentorch version this process imported, or why it could not."""
     if _disabled():
         return md.reject(f"{NO_ZENTORCH} is set: the zentorch backend is off")
-    schema = caps.op_schema(OP_NAME)
-    if schema is None:
-        return md.reject(f"the op {OP_NAME} is not registered in this process (zentorch: "
-                         f"{library}); {INSTALL_HINT}")
-    problem = schema_problem(schema, EXPECTED_ARGS)
+    problem = op_problem(caps, OP_NAME, EXPECTED_ARGS, source=f"zentorch: {library}",
+                         hint=INSTALL_HINT)
     if problem:
-        return md.reject(f"{OP_NAME} (zentorch {library}) has a different signature than this "
-                         f"backend was written for: {problem}")
+        return md.reject(problem)
     if not caps.is_amd_zen:
         return md.reject(f"zentorch's fused MoE runs on AMD Zen CPUs; this CPU is "
                          f"{caps.cpu_vendor} {caps.cpu_model or '(unknown model)'}".rstrip())

@@ -10,7 +10,8 @@ backend does:
   portable kernel on the canonical weights;
 - id checks that stay cheap at decode: :func:`id_range`, :func:`ids_in_range`,
   :func:`has_duplicate_in_row`;
-- :func:`schema_problem`: an op's schema checked by argument names and types;
+- :func:`op_problem` / :func:`schema_problem`: an op's presence and schema checked by
+  argument names and types;
 - weight ownership: :func:`owned_copy`, :func:`version_stamp`, :func:`stamp_matches`;
 - :class:`NativeExtension` and :func:`cache_dir`: C++ built on first use into the user cache;
 - :func:`dtype_name`.
@@ -22,12 +23,12 @@ from ._grouping import ExpertFn, ExpertOrder, combine, grouped_by_expert, scale_
 from ._ids import SMALL_IDS, has_duplicate_in_row, id_range, ids_in_range
 from ._loop import expert_loop
 from ._native import NativeExtension, cache_dir
-from ._schema import Argument, schema_arguments, schema_problem
+from ._schema import Argument, op_problem, schema_arguments, schema_problem
 from ._weights import owned_copy, stamp_matches, version_of, version_stamp
 
 __all__ = [
     "Argument", "ExpertFn", "ExpertOrder", "NativeExtension", "SMALL_IDS", "cache_dir", "combine",
     "dtype_name", "expert_loop", "gated_activation", "grouped_by_expert", "has_duplicate_in_row",
-    "id_range", "ids_in_range", "owned_copy", "scale_rows", "schema_arguments", "schema_problem",
+    "id_range", "ids_in_range", "op_problem", "owned_copy", "scale_rows", "schema_arguments", "schema_problem",
     "sort_by_expert", "stamp_matches", "version_of", "version_stamp",
 ]

@@ -41,3 +41,18 @@ def schema_problem(schema: str | None, expected: Sequence[Argument]) -> str | No
     if extra:
         return f"new required arguments {extra}"
     return None
+
+
+def op_problem(capabilities: object, op: str, expected: Sequence[Argument], *, source: str = "",
+               hint: str = "") -> str | None:
+    """A gate's whole op check: None when ``capabilities.op_schema(op)`` exists and passes
+    :func:`schema_problem`, else the rejection reason. ``source`` says where the op comes
+    from (e.g. "torch 2.13.0"), ``hint`` how to get it when it is absent."""
+    where = f" ({source})" if source else ""
+    schema = capabilities.op_schema(op)  # type: ignore[attr-defined]
+    if schema is None:
+        return f"{op} is not registered in this process{where}" + (f"; {hint}" if hint else "")
+    problem = schema_problem(schema, expected)
+    if problem:
+        return f"{op}{where} has a different signature than this backend was written for: {problem}"
+    return None

@@ -3,7 +3,7 @@
 The two checks:
 - ``supports_config``: the vendor's op ``example_vendor::padded_bmm`` is registered with the
   arguments this backend passes (``capabilities.op_schema``, checked by argument names and
-  types with the toolkit's ``schema_problem``); float32 or bfloat16, silu/gelu/gelu_tanh, no
+  types with the toolkit's ``op_problem``); float32 or bfloat16, silu/gelu/gelu_tanh, no
   bias (each rejection says why), and a padding budget: E at most 64.
 - ``supports_layer``: the tensors are the config's dtype on the CPU (the layer validated
   shapes already).
@@ -19,7 +19,7 @@ import attrs
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.kernels import combine, gated_activation, scale_rows, schema_problem, sort_by_expert
+from moe_dispatch.kernels import combine, gated_activation, op_problem, scale_rows, sort_by_expert
 
 from . import ops  # registers example_vendor::padded_bmm
 
@@ -38,9 +38,9 @@ class State:
 
 class BatchedGemmBackend(md.BackendBase):
     def supports_config(self, config: md.MoEConfig, capabilities: md.Capabilities) -> md.Decision:
-        problem = schema_problem(capabilities.op_schema(ops.OP_NAME), ops.OP_ARGS)
+        problem = op_problem(capabilities, ops.OP_NAME, ops.OP_ARGS)
         if problem:
-            return md.reject(f"{ops.OP_NAME}: {problem}")
+            return md.reject(problem)
         if config.dtype not in (torch.float32, torch.bfloat16):
             return md.reject(f"{config.dtype} is not supported (float32 or bfloat16)")
         if config.activation not in _ACTIVATIONS:
