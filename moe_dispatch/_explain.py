@@ -49,14 +49,17 @@ def explain_layer(res: Any, plan: Any) -> str:
     text = format_table(res)
     if plan is None:
         return text + "\n(config stage only: call prepare() for the layer-level decision)"
-    if plan.native is not None:
-        text += ("\nforward: plain calls take the backend's native entry (fast_call); "
+    natives = plan.natives
+    if natives is not None:
+        served = sorted({pair[1].name for pair in natives if pair is not None})
+        text += (f"\nforward: plain calls take the native entry (fast_call) of {', '.join(served)}; "
                  "others the Python path")
     if plan.tuned:
-        lines = ["", "policy=fastest, tuned per token bucket (T <= bucket):"]
+        lines = ["", plan.tuning_note, "routed per token count (T <= bucket; larger T: the last row):"]
         for t, row in plan.tuned.items():
-            times = ", ".join(f"{n} {ms:.3f} ms" for n, ms in row.items() if n != "winner")
-            lines.append(f"  T<={t:<5} {row['winner']:<12} "
-                         f"{('(' + times + ')') if times else '(from the tuning cache)'}")
+            times = ", ".join(f"{n} {ms:.3f} ms" for n, ms in sorted(row["ms"].items(),
+                                                                     key=lambda kv: kv[1]))
+            lines.append(f"  T<={t:<5} {row['winner']:<12} {row['source']}"
+                         + (f" ({times})" if times else ""))
         text += "\n".join(lines)
     return text

@@ -23,7 +23,7 @@ from ._explain import explain_layer
 from ._errors import (InvalidArgumentError, InvalidTypeError, KernelError, LayerStateError,
                       MoEDispatchError)
 from ._options import LayerOptions
-from ._plan import Demotion, ExecutionPlan
+from ._plan import Demotion, ExecutionPlan, bucket_index
 from ._planner import build_plan
 from ._resolution import Resolution
 from ._resolver import resolve
@@ -51,10 +51,13 @@ class MoELayer(torch.nn.Module):
     ``keep_canonical=False``: only weak references to the caller's tensors are kept after
     ``prepare()`` (less memory; a failing kernel falls back only while the caller still
     holds them, else it raises :class:`KernelError`).
-    ``policy`` (env ``MOE_DISPATCH_POLICY``): ``"priority"`` runs the resolver's choice;
-    ``"fastest"`` times the accepting backends per token bucket at ``prepare()`` (up to
-    ``tune_max_tokens``, within ``tune_budget_s``, at most ``max_candidates``) and keeps the
-    table in ``tuning_cache`` (docs/tuning.md).
+    ``policy`` (env ``MOE_DISPATCH_POLICY``): ``"auto"`` (the default) routes each token
+    count to the backend measured fastest for it on this machine: the first ``prepare()``
+    of a shape probes a few token buckets (at most ``max_candidates``, default 3, within
+    ``tune_budget_s``, default 20 s) and the table persists in ``tuning_cache``;
+    ``"fastest"`` measures every bucket (up to ``tune_max_tokens``) with every accepting
+    backend (default budget 60 s); ``"priority"`` runs the resolver's choice, exactly, at
+    every token count (docs/tuning.md).
     Expert parallelism has its own layer, :class:`~moe_dispatch.ExpertParallelLayer`.
     """
 
@@ -62,7 +65,7 @@ class MoELayer(torch.nn.Module):
                  exclude: Iterable[str] = (), capabilities: Capabilities | None = None,
                  strict: bool | None = None, keep_canonical: bool = True,
                  policy: str | None = None, max_candidates: int | None = None,
-                 tune_max_tokens: int = 512, tune_budget_s: float = 60.0,
+                 tune_max_tokens: int = 512, tune_budget_s: float | None = None,
                  tuning_cache: str | os.PathLike | bool | None = None) -> None:
         super().__init__()
         if not isinstance(config, MoEConfig):
@@ -160,13 +163,14 @@ class MoELayer(torch.nn.Module):
 
     @property
     def uses_native_entry(self) -> bool:
-        """Whether plain calls go to the backend's native entry (``BackendBase.fast_call``)."""
+        """Whether plain calls of some token count go to a backend's native entry
+        (``BackendBase.fast_call``)."""
         plan = self._plan
-        return plan is not None and plan.native is not None
+        return plan is not None and plan.natives is not None
 
     @property
     def tuned_table(self) -> dict[int, str] | None:
-        """bucket size -> backend under policy="fastest" (None under "priority")."""
+        """bucket size -> backend under policy="auto" / "fastest" (None under "priority")."""
         plan = self._plan
         if plan is None or not plan.tuned:
             return None
@@ -206,22 +210,30 @@ class MoELayer(torch.nn.Module):
 
     def run(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor, *, native: bool = True) -> torch.Tensor:
-        """The eager forward without ``nn.Module``'s machinery: through the backend's native
-        entry when the plan has one (it declines, with None, anything it cannot prove plain),
-        else, or with ``native=False``, the checked Python path."""
+        """The eager forward without ``nn.Module``'s machinery: through the native entry of
+        the route for this token count when it has one (it declines, with None, anything it
+        cannot prove plain), else, or with ``native=False``, the checked Python path."""
         plan = self._plan
-        if native and plan is not None and plan.native is not None:
-            try:
-                out = plan.native(hidden_states, topk_weights, topk_ids)
-            except Exception as exc:
-                # The entry checked the inputs before the kernel ran, so this is the kernel's
-                # (or the entry's) failure; re-check all the same: the caller's bad input must
-                # never demote a backend.
-                check_forward(self.config, hidden_states, topk_weights, topk_ids)
-                return self._fall_back(plan.native_route.record, exc, hidden_states,  # type: ignore[union-attr]
-                                       topk_weights, topk_ids)
-            if out is not None:
-                return out
+        natives = plan.natives if native and plan is not None else None
+        if natives is not None:
+            if len(natives) == 1:
+                pair = natives[0]
+            elif type(hidden_states) is _Tensor and hidden_states.ndim == 2:
+                pair = natives[bucket_index(hidden_states.shape[0], len(natives))]
+            else:
+                pair = None
+            if pair is not None:
+                try:
+                    out = pair[0](hidden_states, topk_weights, topk_ids)
+                except Exception as exc:
+                    # The entry checked the inputs before the kernel ran, so this is the
+                    # kernel's (or the entry's) failure; re-check all the same: the caller's
+                    # bad input must never demote a backend.
+                    check_forward(self.config, hidden_states, topk_weights, topk_ids)
+                    return self._fall_back(pair[1].record, exc, hidden_states, topk_weights,
+                                           topk_ids)
+                if out is not None:
+                    return out
         return self._run_python(hidden_states, topk_weights, topk_ids)
 
     def _run_python(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,

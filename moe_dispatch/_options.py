@@ -11,7 +11,12 @@ import attrs
 from ._capabilities import Capabilities
 from ._errors import InvalidArgumentError, InvalidTypeError
 
-POLICIES = ("priority", "fastest")
+POLICIES = ("auto", "priority", "fastest")
+DEFAULT_POLICY = "auto"
+# Per policy: (max_candidates, budget_s). "auto" is the default, so its first prepare() of a
+# shape is bounded in time and memory (every candidate's prepared state exists while timing);
+# "fastest" is asked for, and measures everything.
+POLICY_DEFAULTS: dict[str, tuple[int | None, float]] = {"auto": (3, 20.0), "fastest": (None, 60.0)}
 
 
 def env_flag(name: str) -> bool:
@@ -20,13 +25,15 @@ def env_flag(name: str) -> bool:
 
 @attrs.frozen(slots=True)
 class TuningOptions:
-    """policy="fastest": how many backends, up to which token count, within what budget,
-    and where the tuned table persists (None: the default file; False: nowhere)."""
+    """policy="auto" / "fastest": how many backends, up to which token count, within what
+    budget, where the tuned table persists (None: the default file; False: nowhere), and
+    whether buckets are probed (``adaptive``, "auto") or all measured ("fastest")."""
 
-    max_candidates: int | None = None
+    max_candidates: int | None = 3
     max_tokens: int = 512
-    budget_s: float = 60.0
+    budget_s: float = 20.0
     cache: str | Path | bool | None = None
+    adaptive: bool = True
 
 
 @attrs.frozen(slots=True)
@@ -38,28 +45,36 @@ class LayerOptions:
     capabilities: Capabilities | None = None
     strict: bool = False
     keep_canonical: bool = True
-    policy: str = "priority"
+    policy: str = DEFAULT_POLICY
     tuning: TuningOptions = TuningOptions()
 
     @classmethod
     def build(cls, *, backend: str | None, exclude: Iterable[str] | str,
               capabilities: Capabilities | None, strict: bool | None, keep_canonical: bool,
               policy: str | None, max_candidates: int | None, tune_max_tokens: int,
-              tune_budget_s: float, tuning_cache: str | os.PathLike | bool | None) -> "LayerOptions":
+              tune_budget_s: float | None, tuning_cache: str | os.PathLike | bool | None) -> "LayerOptions":
         """Validate the arguments; env ``MOE_DISPATCH_STRICT`` / ``MOE_DISPATCH_POLICY``
         fill in what was not given."""
         if capabilities is not None and not isinstance(capabilities, Capabilities):
             raise InvalidTypeError("capabilities", capabilities, "a moe_dispatch.Capabilities or None")
-        policy = policy if policy is not None else (os.environ.get("MOE_DISPATCH_POLICY") or "priority")
+        policy = policy if policy is not None else (os.environ.get("MOE_DISPATCH_POLICY") or DEFAULT_POLICY)
         if policy not in POLICIES:
             raise InvalidArgumentError("policy", policy, f"one of {POLICIES}")
         if max_candidates is not None and (not isinstance(max_candidates, int) or max_candidates < 1):
             raise InvalidArgumentError("max_candidates", max_candidates, "a positive int or None")
         if not isinstance(tune_max_tokens, int) or tune_max_tokens < 1:
             raise InvalidArgumentError("tune_max_tokens", tune_max_tokens, "a positive int")
+        if tune_budget_s is not None and (isinstance(tune_budget_s, bool) or not isinstance(
+                tune_budget_s, (int, float)) or not tune_budget_s >= 0):
+            raise InvalidArgumentError("tune_budget_s", tune_budget_s,
+                                       "a number of seconds >= 0, or None for the policy's default")
+        cands, budget = POLICY_DEFAULTS.get(policy, (None, 0.0))
         cache = tuning_cache if isinstance(tuning_cache, (bool, type(None))) else Path(tuning_cache)
         return cls(backend=backend, exclude=(exclude,) if isinstance(exclude, str) else tuple(exclude),
                    capabilities=capabilities,
                    strict=env_flag("MOE_DISPATCH_STRICT") if strict is None else bool(strict),
                    keep_canonical=bool(keep_canonical), policy=policy,
-                   tuning=TuningOptions(max_candidates, tune_max_tokens, float(tune_budget_s), cache))
+                   tuning=TuningOptions(
+                       max_candidates if max_candidates is not None else cands, tune_max_tokens,
+                       float(budget if tune_budget_s is None else tune_budget_s), cache,
+                       adaptive=policy != "fastest"))

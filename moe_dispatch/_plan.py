@@ -52,10 +52,11 @@ def bucket_index(tokens: int, n_buckets: int) -> int:
 class ExecutionPlan:
     """What a prepared layer runs.
 
-    ``route``: the resolver's choice. ``table``: under policy="fastest", the route of each
-    power-of-two token bucket (None under "priority"); ``tuned``: bucket -> winner and
-    timings. ``native``: the backend's native entry for plain calls (``fast_call``), with
-    ``native_route`` the route it belongs to, when one backend serves every token count.
+    ``route``: the resolver's choice. ``table``: under policy="auto" / "fastest", the route
+    of each power-of-two token bucket (None under "priority"); ``tuned``: bucket -> winner,
+    timings and how it was decided; ``tuning_note``: what the tuning cost and where its
+    table came from. ``natives``: per bucket (one entry without a table), the route's native
+    entry for plain calls (``fast_call``) and that route, or None where the route has none.
     ``watched`` / ``versions``: the caller's canonical tensors (only when they are held
     strongly) and their version stamp at ``prepare()``, which the forward compares.
     """
@@ -65,8 +66,8 @@ class ExecutionPlan:
     canonical: CanonicalWeights
     table: tuple[Route, ...] | None = None
     tuned: Mapping[int, Mapping[str, Any]] | None = None
-    native: NativeEntry | None = None
-    native_route: Route | None = None
+    tuning_note: str = ""
+    natives: tuple[tuple[NativeEntry, Route] | None, ...] | None = None
     watched: tuple[torch.Tensor, ...] = ()
     versions: tuple[int, ...] = ()
     # The forward's constants, read as attributes (cheap) instead of through the config.
@@ -75,6 +76,14 @@ class ExecutionPlan:
     experts: int = 0
     dtype: torch.dtype = torch.float32
     check_ids: bool = True  # False when every route's kernel rejects bad ids itself
+
+    @property
+    def native(self) -> NativeEntry | None:
+        """The native entry when one backend serves every token count and has one."""
+        natives = self.natives
+        if natives is None or len({id(n) for n in natives}) != 1 or natives[0] is None:
+            return None
+        return natives[0][0]
 
     def route_for(self, tokens: int) -> Route:
         table = self.table

@@ -1,16 +1,17 @@
 """From a resolved config and loaded weights to an :class:`ExecutionPlan`.
 
-The layer stage of resolution, the backend's weight processing, per-bucket tuning
-(policy="fastest"), the backend's native entry, the forward's constants: all decided here,
+The layer stage of resolution, the backend's weight processing, per-bucket routing
+(policy="auto" / "fastest"), the routes' native entries, the forward's constants: all decided here,
 once, and frozen into the plan.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
+import torch
 
 from ._canonical import CanonicalWeights
 from ._config import MoEConfig
@@ -41,27 +42,48 @@ def build_plan(config: MoEConfig, options: LayerOptions, config_stage: Resolutio
 
     final, rec, state = resolve_layer(res, weights, build, strict=options.strict)
     route = Route(rec, state)
-    table = tuned = None
-    if options.policy == "fastest" and res.forced is None and not demotions:
-        table, tuned = tune(config, final, route, weights, build, options.tuning)
     canonical = CanonicalWeights.hold(weights, strong=options.keep_canonical)
     watched = canonical.tensors()
+    # Native entries guard the caller's weights by version: only when those are held.
+    guard = FastGuard(watched, canonical.versions) if watched else None
+    entries: dict[int, tuple[Route, NativeEntry | None]] = {}
+
+    def entry_of(r: Route) -> NativeEntry | None:
+        if id(r) not in entries:  # the route is kept with it: ids are not reused meanwhile
+            entries[id(r)] = (r, _native_entry(r, guard) if guard is not None else None)
+        return entries[id(r)][1]
+
+    table = tuned = None
+    note = ""
+    if options.policy != "priority" and res.forced is None and not demotions:
+        # Tuning times what the forward will run: a route's native entry where it has one.
+        table, tuned, note = tune(config, final, route, weights, build, options.tuning,
+                                  lambda r: _runner(r, entry_of(r)))
+        note = f"policy={options.policy}: {note}"
     routes = (route,) if table is None else tuple({id(r): r for r in table}.values())
-    native: NativeEntry | None = None
-    native_route: Route | None = None
-    # A native entry only when one backend serves every token count (a tuned table with a
-    # single winner included) and the weights it guards are held.
-    if watched and len(routes) == 1:
-        native = _native_entry(routes[0], FastGuard(watched, canonical.versions))
-        native_route = routes[0] if native is not None else None
+    natives = None
+    if guard is not None and any(entry_of(r) is not None for r in routes):
+        natives = tuple((entry_of(r), r) if entry_of(r) is not None else None  # type: ignore[misc]
+                        for r in (table if table is not None else (route,)))
     return ExecutionPlan(
         resolution=_annotate(final, demotions), route=route, canonical=canonical, table=table,
-        tuned=tuned, native=native, native_route=native_route, watched=watched,
+        tuned=tuned, tuning_note=note, natives=natives, watched=watched,
         versions=canonical.versions, hidden=config.hidden_size, top_k=config.top_k,
         experts=config.num_experts, dtype=config.dtype,
         # The id range check can be left to the kernels only when every backend this plan
         # may run rejects bad ids itself (BackendSpec.validates_ids).
         check_ids=not all(r.record.spec.validates_ids for r in routes))
+
+
+def _runner(route: Route, entry: NativeEntry | None) -> Callable[..., torch.Tensor]:
+    apply, state = route.apply, route.state
+    if entry is None:
+        return lambda x, tw, ids: apply(state, x, tw, ids)
+
+    def run(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = entry(x, tw, ids)
+        return out if out is not None else apply(state, x, tw, ids)
+    return run
 
 
 def _native_entry(route: Route, guard: FastGuard) -> NativeEntry | None:

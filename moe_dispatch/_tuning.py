@@ -1,9 +1,16 @@
-"""policy="fastest": time the accepting backends on the real layer, per token bucket.
+"""Routing per token count, measured: policy="auto" (the default) and policy="fastest".
 
-Buckets are powers of two up to a cap; a forward with T tokens uses the winner of the
-smallest bucket >= T (the last bucket for larger T). Results persist in a JSON file keyed
-by (config, capabilities fingerprint, backend versions). The file is data only: parsed
-with ``json``, validated, and ignored with a WARNING when corrupt or stale.
+Token counts are bucketed in powers of two up to a cap; a forward with T tokens runs the
+winner of the smallest bucket >= T (the last bucket for larger T). The candidates are timed
+side by side on the real layer's prepared states, and the table persists in the tuning
+cache (``_tuning_cache``), so each (machine, shape, kernel versions) is measured once.
+
+- "fastest" measures every bucket with every candidate, within its budget.
+- "auto" bounds the first prepare(): it measures a few buckets (1, 8, 64 and the cap for
+  a cap of 512), bisects only between two measured buckets whose winners differ, drops a
+  candidate from larger buckets once it is ``DROP_FACTOR`` times slower than the best, and
+  skips a bucket whose estimated cost would overrun the budget. An unmeasured bucket takes
+  the winner of the nearest measured one.
 
 :func:`tune` builds the per-bucket routes of an execution plan; it times routes, never a
 layer (this module does not import the layer).
@@ -11,20 +18,13 @@ layer (this module does not import the layer).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import tempfile
-import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from ._capabilities import Capabilities
-from ._config import MoEConfig, dtype_name
+from ._config import MoEConfig
 from ._options import TuningOptions
 from ._plan import Route
 from ._random import random_inputs
@@ -32,12 +32,22 @@ from ._resolution import Resolution, Status
 from ._resolver import call_check
 from ._spec import BackendRecord, LayerWeights
 from ._timing import time_side_by_side
-from .kernels import cache_dir
+from ._tuning_cache import TuningCache, tuning_key
 
 log = logging.getLogger("moe_dispatch")
 
-CACHE_VERSION = 1
 Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Timings = dict[int, dict[str, float]]  # bucket size -> candidate -> median ms
+
+# A backend replaces the priority choice only when it is faster by more than this: timings
+# on a shared machine move by a few percent from run to run (measured: the same kernel in
+# two layers differs by up to ~5-8%), and a near-tie is not worth a second prepared state.
+SWITCH_MARGIN = 0.02
+# "auto" stops timing a candidate at larger buckets once it is this many times slower than
+# the best: in every grid measured (docs/performance.md) a backend's ratio to the best moves
+# by well under 2x between neighbouring probed buckets (8x apart in T), so such a candidate
+# does not win later; policy="fastest" times everything everywhere.
+DROP_FACTOR = 2.5
 
 
 def bucket_sizes(cap: int) -> list[int]:
@@ -49,116 +59,6 @@ def bucket_sizes(cap: int) -> list[int]:
     return sizes
 
 
-def tuning_key(config: MoEConfig, caps: Capabilities, versions: dict[str, str]) -> str:
-    parts = [config.describe(), dtype_name(config.dtype), caps.fingerprint(), str(caps.threads),
-             json.dumps(sorted(versions.items()))]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
-
-
-def default_cache_path() -> Path:
-    env = os.environ.get("MOE_DISPATCH_TUNING_CACHE")
-    if env:
-        return Path(env)
-    return cache_dir() / "tuning.json"
-
-
-class TuningCache:
-    """A JSON file of tuned tables. Corrupt or mismatched content is ignored with a WARNING."""
-
-    _lock = threading.Lock()
-
-    def __init__(self, path: str | Path | None = None) -> None:
-        self.path = Path(path) if path is not None else default_cache_path()
-
-    def _read(self) -> dict[str, Any]:
-        try:
-            text = self.path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return {}
-        except OSError as exc:
-            log.warning("moe-dispatch: tuning cache %s unreadable (%s); ignored", self.path, exc)
-            return {}
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            log.warning("moe-dispatch: tuning cache %s is not valid JSON (%s); ignored", self.path, exc)
-            return {}
-        if (not isinstance(data, dict) or data.get("version") != CACHE_VERSION
-                or not isinstance(data.get("entries"), dict)):
-            log.warning("moe-dispatch: tuning cache %s has an unknown format; ignored", self.path)
-            return {}
-        return data["entries"]
-
-    def get(self, key: str, candidates: list[str], sizes: list[int]) -> dict[int, str] | None:
-        entry = self._read().get(key)
-        if entry is None:
-            return None
-        table = _validate_entry(entry, candidates, sizes)
-        if table is None:
-            log.warning("moe-dispatch: tuning cache entry %s in %s is stale or malformed "
-                        "(backends or buckets changed); re-tuning", key, self.path)
-        return table
-
-    def put(self, key: str, table: dict[int, str], timings: dict[int, dict[str, float]],
-            config: MoEConfig) -> None:
-        with self._lock:
-            entries = self._read()
-            entries[key] = {"config": config.describe(),
-                            "buckets": {str(t): name for t, name in table.items()},
-                            "timings_ms": {str(t): v for t, v in timings.items()},
-                            "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tuning-")
-                with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                    json.dump({"version": CACHE_VERSION, "entries": entries}, fh, indent=1)
-                os.replace(tmp, self.path)
-            except OSError as exc:
-                log.warning("moe-dispatch: cannot write tuning cache %s (%s)", self.path, exc)
-
-
-def _validate_entry(entry: Any, candidates: list[str], sizes: list[int]) -> dict[int, str] | None:
-    if not isinstance(entry, dict) or not isinstance(entry.get("buckets"), dict):
-        return None
-    table: dict[int, str] = {}
-    for k, v in entry["buckets"].items():
-        if not (isinstance(k, str) and k.isdigit() and isinstance(v, str) and v in candidates):
-            return None
-        table[int(k)] = v
-    return table if sorted(table) == sizes else None
-
-
-def measure(runners: dict[str, Runner], config: MoEConfig, sizes: list[int], budget_s: float,
-            default: str, reps: int = 5) -> tuple[dict[int, str], dict[int, dict[str, float]]]:
-    """Time every runner at every bucket size, round-robin, medians. Buckets left when the
-    budget runs out get ``default`` (the priority choice)."""
-    start = time.perf_counter()
-    table: dict[int, str] = {}
-    timings: dict[int, dict[str, float]] = {}
-    for n, tokens in enumerate(sizes, 1):
-        elapsed = time.perf_counter() - start
-        if elapsed > budget_s:
-            log.warning("moe-dispatch: tuning budget of %.0f s spent after %d of %d buckets; the "
-                        "rest use the priority choice %r", budget_s, n - 1, len(sizes), default)
-            for t in sizes[n - 1:]:
-                table[t] = default
-            break
-        if elapsed > 1.0:
-            log.info("moe-dispatch: tuning %s: bucket %d/%d (T=%d), %.1f s so far",
-                     config.describe(), n, len(sizes), tokens, elapsed)
-        med = time_side_by_side(runners, random_inputs(config, tokens, pool=3, seed=tokens),
-                                reps, warmup=1)
-        timings[tokens] = med
-        table[tokens] = pick_winner(med, default)
-    return table, timings
-
-
-# A backend replaces the priority choice only when it is faster by more than this: timings
-# on a shared machine move by a few percent from run to run (measured: the same kernel in
-# two layers differs by up to ~5-8%), and a near-tie is not worth a second prepared state.
-SWITCH_MARGIN = 0.02
-
-
 def pick_winner(medians: dict[str, float], default: str, margin: float = SWITCH_MARGIN) -> str:
     """The fastest candidate, unless ``default`` is within ``margin`` of it (ties by name)."""
     best = min(medians, key=lambda name: (medians[name], name))
@@ -167,32 +67,135 @@ def pick_winner(medians: dict[str, float], default: str, margin: float = SWITCH_
     return best
 
 
+def _time_bucket(runners: dict[str, Runner], names: list[str], config: MoEConfig, tokens: int,
+                 reps: int) -> dict[str, float]:
+    return time_side_by_side({n: runners[n] for n in names},
+                             random_inputs(config, tokens, pool=3, seed=tokens), reps, warmup=1)
+
+
+def _budget_spent(measured: int, total: int, budget_s: float, fill: str) -> None:
+    log.warning("moe-dispatch: tuning budget of %.1f s spent after %d of %d buckets; the rest "
+                "use %s", budget_s, measured, total, fill)
+
+
+def measure(runners: dict[str, Runner], config: MoEConfig, sizes: list[int], budget_s: float,
+            default: str, reps: int = 5) -> tuple[dict[int, str], Timings]:
+    """policy="fastest": every runner at every bucket size, round-robin, medians. Buckets
+    left when the budget runs out get ``default`` (the priority choice)."""
+    start = time.perf_counter()
+    table: dict[int, str] = {}
+    timings: Timings = {}
+    for n, tokens in enumerate(sizes, 1):
+        elapsed = time.perf_counter() - start
+        if elapsed > budget_s:
+            _budget_spent(n - 1, len(sizes), budget_s, f"the priority choice {default!r}")
+            for t in sizes[n - 1:]:
+                table[t] = default
+            break
+        if elapsed > 1.0:
+            log.info("moe-dispatch: tuning %s: bucket %d/%d (T=%d), %.1f s so far",
+                     config.describe(), n, len(sizes), tokens, elapsed)
+        timings[tokens] = _time_bucket(runners, sorted(runners), config, tokens, reps)
+        table[tokens] = pick_winner(timings[tokens], default)
+    return table, timings
+
+
+def measure_adaptive(runners: dict[str, Runner], config: MoEConfig, sizes: list[int],
+                     budget_s: float, default: str) -> tuple[dict[int, str], Timings]:
+    """policy="auto": probe, bisect where winners differ, drop clear losers, within the
+    budget (the module docstring has the rules)."""
+    start = time.perf_counter()
+    n = len(sizes)
+    timings: dict[int, dict[str, float]] = {}  # by bucket index while measuring
+    alive_after: dict[int, list[str]] = {}
+
+    def measure_at(i: int) -> bool:
+        below = [j for j in timings if j < i]
+        names = alive_after[max(below)] if below else sorted(runners)
+        elapsed = time.perf_counter() - start
+        reps = 5 if sizes[i] <= 64 else 3
+        if below:  # linear in T from the nearest measured bucket: an overestimate at decode
+            j = max(below)
+            est = sum(timings[j][m] for m in names) * sizes[i] / sizes[j] * (reps + 1) / 1e3
+            if elapsed + est > budget_s:
+                return False
+        elif elapsed > budget_s:
+            return False
+        if elapsed > 1.0:
+            log.info("moe-dispatch: tuning %s: T=%d, %.1f s so far", config.describe(),
+                     sizes[i], elapsed)
+        med = _time_bucket(runners, names, config, sizes[i], reps)
+        timings[i] = med
+        best = min(med.values())
+        alive_after[i] = [m for m in names if med[m] <= best * DROP_FACTOR]
+        return True
+
+    complete = all(measure_at(i) for i in sorted({*range(0, n, 3), n - 1}))
+    winners = {i: pick_winner(med, default) for i, med in timings.items()}
+    while complete:  # bisect every gap whose two ends disagree
+        idx = sorted(timings)
+        gaps = [(a, b) for a, b in zip(idx, idx[1:]) if b - a > 1 and winners[a] != winners[b]]
+        if not gaps:
+            break
+        middle = (gaps[0][0] + gaps[0][1]) // 2
+        complete = measure_at(middle)
+        if complete:
+            winners[middle] = pick_winner(timings[middle], default)
+    if not complete:
+        _budget_spent(len(timings), n, budget_s, "the nearest measured bucket's winner")
+    table = {sizes[i]: _nearest(winners, i, default) for i in range(n)}
+    return table, {sizes[i]: med for i, med in sorted(timings.items())}
+
+
+def _nearest(winners: dict[int, str], i: int, default: str) -> str:
+    """The winner at bucket index ``i``, else at the nearest measured index (the smaller on
+    a tie: its calls are the cheaper ones to get wrong), else ``default``."""
+    if not winners:
+        return default
+    return winners[min(winners, key=lambda j: (abs(j - i), j))]
+
+
 Build = Callable[[BackendRecord], Any]
 
 
-def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeights,
-         build: Build, options: TuningOptions
-         ) -> tuple[tuple[Route, ...], dict[int, dict[str, Any]]]:
-    """The route of every bucket, from the tuning cache or measured now, and bucket ->
-    {"winner": name, name: ms...}. Only the winners' prepared states are kept (memory)."""
+def _candidates(final: Resolution, chosen: Route, weights: LayerWeights,
+                max_candidates: int | None) -> dict[str, BackendRecord]:
+    """The resolver's choice, then every other backend that accepts the layer, in priority
+    order, up to ``max_candidates``. Nothing is prepared here."""
     caps = final.capabilities
-    # The candidates: the resolver's choice, then every other backend that accepts the
-    # layer, up to max_candidates. Nothing else is prepared before the cache is read.
     records: dict[str, BackendRecord] = {chosen.name: chosen.record}
     for cand in final.candidates:
-        if options.max_candidates is not None and len(records) >= options.max_candidates:
+        if max_candidates is not None and len(records) >= max_candidates:
             break
         if cand.name in records or cand.status not in (Status.STANDBY, Status.CHOSEN):
             continue
         other = final.record(cand.name)
         if other is not None and call_check(other, "supports_layer", weights, caps).accepted:
             records[other.name] = other
+    return records
+
+
+def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeights,
+         build: Build, options: TuningOptions, runner: Callable[[Route], Runner] | None = None
+         ) -> tuple[tuple[Route, ...], dict[int, dict[str, Any]], str]:
+    """The route of every bucket, from the tuning cache or measured now; bucket ->
+    {"winner": name, "ms": {name: ms}, "source": how it was decided}; and a one-line
+    summary (cost, candidates). ``runner(route)``: what a forward runs on that route (its
+    native entry, say); default its ``apply``. Only the winners' prepared states are kept
+    (memory)."""
+    started = time.perf_counter()
+    records = _candidates(final, chosen, weights, options.max_candidates)
     sizes = bucket_sizes(options.max_tokens)
     names = sorted(records)
+    if len(names) == 1:
+        rows = {t: {"winner": chosen.name, "ms": {}, "source": "the only candidate"} for t in sizes}
+        return (chosen,) * len(sizes), rows, f"one candidate ({chosen.name}): nothing to measure"
     cache = None if options.cache is False else TuningCache(
         None if options.cache in (None, True) else options.cache)  # type: ignore[arg-type]
-    key = tuning_key(config, caps, {n: records[n].spec.version for n in names})
-    table = cache.get(key, names, sizes) if cache is not None else None
+    key = tuning_key(config, final.capabilities, {n: records[n].spec.version for n in names})
+    cached = cache.get(key, names, sizes) if cache is not None else None
+    if cached is not None and not options.adaptive and list(cached.measured) != sizes:
+        cached = None  # "fastest" wants every bucket measured, not a probed table
     prepared: dict[str, Route] = {chosen.name: chosen}
 
     def prepare_all(wanted: list[str]) -> None:
@@ -203,27 +206,49 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
                 except Exception as exc:  # a candidate that cannot prepare is not used
                     log.warning("moe-dispatch: %r could not be prepared for tuning (%s)", name, exc)
 
-    timings: dict[int, dict[str, float]] = {}
-    if table is not None:
-        prepare_all(sorted(set(table.values())))  # a cache hit prepares only the winners
-        if not set(table.values()) <= set(prepared):
-            table = None  # a cached winner no longer prepares: measure again
-    if table is None:
+    if cached is not None:
+        prepare_all(sorted(set(cached.winners.values())))  # a hit prepares only the winners
+        if not set(cached.winners.values()) <= set(prepared):
+            cached = None  # a cached winner no longer prepares: measure again
+    if cached is not None:
+        table, timings, measured = cached.winners, cached.timings, set(cached.measured)
+        how = f"table from the tuning cache {cache.path}"  # type: ignore[union-attr]
+    else:
         prepare_all(names)
-        x, tw, ids = random_inputs(config, 1, pool=1, seed=0)[0]
-        for name in [n for n in prepared if n != chosen.name]:
-            r = prepared[name]
-            try:  # a candidate whose kernel fails is not timed (and never wins a bucket)
-                r.apply(r.state, x, tw, ids)
-            except Exception as exc:
-                log.warning("moe-dispatch: %r failed a tuning call (%s: %s); not a candidate",
-                            name, type(exc).__name__, exc)
-                del prepared[name]
-        runners = {n: (lambda x, tw, ids, _r=prepared[n]: _r.apply(_r.state, x, tw, ids))
-                   for n in sorted(prepared)}
-        table, timings = measure(runners, config, sizes, options.budget_s, chosen.name)
+        runners = _working_runners(prepared, chosen.name, config, runner)
+        fn = measure_adaptive if options.adaptive else measure
+        table, timings = fn(runners, config, sizes, options.budget_s, chosen.name)
+        measured = set(timings)
         if cache is not None:
             cache.put(key, table, timings, config)
+        how = (f"measured at prepare() in {time.perf_counter() - started:.1f} s, "
+               f"{len(measured)} of {len(sizes)} buckets")
     routes = tuple(prepared[table[t]] for t in sizes)
-    tuned = {t: {"winner": table[t], **timings.get(t, {})} for t in sizes}
-    return routes, tuned
+    tuned = {t: {"winner": table[t], "ms": dict(timings.get(t, {})) if cached is None else {},
+                 "source": _source(t, measured, cached is not None)} for t in sizes}
+    return routes, tuned, f"{how}; candidates {', '.join(names)}"
+
+
+def _source(tokens: int, measured: set[int], from_cache: bool) -> str:
+    if from_cache:
+        return "from the tuning cache" + ("" if tokens in measured else " (not measured)")
+    return "measured" if tokens in measured else "not measured: nearest measured bucket"
+
+
+def _working_runners(prepared: dict[str, Route], chosen: str, config: MoEConfig,
+                     runner: Callable[[Route], Runner] | None) -> dict[str, Runner]:
+    """A runner per prepared candidate whose kernel runs at all (one call at T=1): a
+    candidate that fails is not timed and never wins a bucket."""
+    x, tw, ids = random_inputs(config, 1, pool=1, seed=0)[0]
+    for name in [n for n in prepared if n != chosen]:
+        r = prepared[name]
+        try:
+            r.apply(r.state, x, tw, ids)
+        except Exception as exc:
+            log.warning("moe-dispatch: %r failed a tuning call (%s: %s); not a candidate",
+                        name, type(exc).__name__, exc)
+            del prepared[name]
+    if runner is None:
+        return {n: (lambda x, tw, ids, _r=prepared[n]: _r.apply(_r.state, x, tw, ids))
+                for n in sorted(prepared)}
+    return {n: runner(prepared[n]) for n in sorted(prepared)}

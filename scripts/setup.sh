@@ -38,3 +38,8 @@ if .venv/bin/python -c "import zentorch" >/dev/null 2>&1; then
   .venv/bin/python -m moe_dispatch_backends.zentorch.native \
     || echo "setup: the zentorch native entry is unavailable; its Python path runs" >&2
 fi
+# The same for the vllm backend's C++ entry, where vLLM's kernels are installed.
+if .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" >/dev/null 2>&1; then
+  .venv/bin/python -m moe_dispatch_backends.vllm_cpu.native \
+    || echo "setup: the vllm native entry is unavailable; its Python path runs" >&2
+fi

@@ -22,12 +22,18 @@ settings.register_profile("quick", max_examples=10, deadline=None,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 torch.manual_seed(0)
+# See _clean_env: module- and session-scoped fixtures build layers before it runs.
+os.environ["MOE_DISPATCH_POLICY"] = "priority"
 
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests start without the library's override variables, whatever the shell has."""
     for var in ("MOE_DISPATCH_BACKEND", "MOE_DISPATCH_DISABLE", "MOE_DISPATCH_PLUGINS",
-                "MOE_DISPATCH_STRICT", "MOE_DISPATCH_POLICY", "MOE_DISPATCH_NATIVE",
-                "MOE_DISPATCH_NATIVE_DIR"):
+                "MOE_DISPATCH_STRICT", "MOE_DISPATCH_NATIVE", "MOE_DISPATCH_NATIVE_DIR"):
         monkeypatch.delenv(var, raising=False)
+    # The suite checks each backend's contract on the resolver's exact choice, so layers run
+    # policy="priority" unless a test asks for another. The default policy ("auto", which
+    # times the candidates at prepare()) has its own tests (tests/test_default_routing.py),
+    # which delete this variable; timing every Hypothesis-drawn layer would only add noise.
+    monkeypatch.setenv("MOE_DISPATCH_POLICY", "priority")

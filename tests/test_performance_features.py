@@ -37,7 +37,10 @@ def test_policy_argument_and_env_validated(monkeypatch):
     monkeypatch.setenv("MOE_DISPATCH_POLICY", "fastest")
     assert md.MoELayer(CFG).policy == "fastest"
     monkeypatch.delenv("MOE_DISPATCH_POLICY")
-    assert md.MoELayer(CFG).policy == "priority"
+    assert md.MoELayer(CFG).policy == "auto"  # the default
+    for bad in (-1, "5", True, float("nan")):
+        with pytest.raises(md.InvalidArgumentError, match="tune_budget_s"):
+            md.MoELayer(CFG, tune_budget_s=bad)
 
 
 def test_fastest_tunes_persists_and_stays_correct(tmp_path):
@@ -49,7 +52,7 @@ def test_fastest_tunes_persists_and_stays_correct(tmp_path):
     assert sorted(table) == [1, 2, 4, 8, 16]
     accepting = {c.name for c in md.resolve(CFG).candidates if c.decision.accepted}
     assert set(table.values()) <= accepting
-    assert "policy=fastest" in layer.explain()
+    assert "policy=fastest: measured at prepare()" in layer.explain()
     for t in (1, 3, 16, 40):  # 40 > cap: the last bucket's winner
         x, tw, ids = random_routing(CFG, t, seed=t)
         assert rel_error(layer(x, tw, ids), reference(CFG, w, x, tw, ids)) <= TOLERANCE[torch.float32]

@@ -13,20 +13,23 @@ Its measured traps (AVX2 build, torch 2.13.0), each closed here:
   contiguous int32 ids, float32 weights and a new output;
 - ``skip_weighted=True`` (router weight on the input) writes 1.0 into the weights it is
   given: it only ever gets a private copy, and the input is scaled first.
+
+Plain calls go through a C++ entry (``native``, ``fast_call``) that makes the same checks in
+microseconds; every kernel call in the process, from either path, takes one mutex.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 import moe_dispatch as md
 from moe_dispatch.kernels import dtype_name, id_range, op_problem, scale_rows
 
-from . import _library
+from . import _library, native
 from ._pack import ALIGN, VllmState, build_state
 
 NAME = "vllm"
@@ -72,7 +75,7 @@ class VllmBackend(md.BackendBase):
 
     def process_weights(self, weights: md.LayerWeights, capabilities: md.Capabilities) -> VllmState:
         isa = "amx" if capabilities.amx_tile and weights.config.dtype == torch.bfloat16 else "vec"
-        return build_state(weights, isa)
+        return build_state(weights, isa, _op_caller())
 
     def apply(self, state: VllmState, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
@@ -91,13 +94,49 @@ class VllmBackend(md.BackendBase):
                 else topk_weights.to(_F32).contiguous()
             x = hidden_states.contiguous()
         out = torch.empty_like(x)
-        with _OP_LOCK:
-            torch.ops._C.cpu_fused_moe(out, x, state.w13, state.w2, state.w13_bias, state.w2_bias,
-                                       weights, ids, skip, state.act, state.isa)
+        state.call(out, x, state.w13, state.w2, state.w13_bias, state.w2_bias, weights, ids,
+                   skip, state.act, state.isa)
         return out
 
+    def fast_call(self, state: VllmState, guard: md.FastGuard) -> Any:
+        """The C++ entry for plain calls (int32 ids in range, float32 weights, contiguous),
+        or None without the native module or when the router weight goes on the input (the
+        kernel may only see a private copy of the weights then)."""
+        module = native.load()
+        c = state.config
+        if module is None or c.apply_router_weight_on_input:
+            return None
+        return module.FastCall(state.w13, state.w2, state.w13_bias, state.w2_bias, state.act,
+                               state.isa, c.hidden_size, c.top_k, c.num_experts, c.dtype,
+                               list(guard.watched), list(guard.versions))
+
     def diagnostics(self) -> Mapping[str, str]:
-        return {"vLLM CPU kernels": _library.load()[1]}
+        present, text = _library.load()
+        out = {"vLLM CPU kernels": text}
+        if present:
+            out["C++ entry"] = native.describe()
+        return out
+
+
+_CALLER: list[Callable[..., None]] = []
+_CALLER_LOCK = threading.Lock()
+
+
+def _op_caller() -> Callable[..., None]:
+    """The serialised kernel call, decided once per process (one lock for every call)."""
+    with _CALLER_LOCK:
+        if not _CALLER:
+            module = native.load()
+            if module is not None:
+                _CALLER.append(module.run_op)
+            else:
+                op = torch.ops._C.cpu_fused_moe.default
+
+                def call(*args: Any) -> None:
+                    with _OP_LOCK:
+                        op(*args)
+                _CALLER.append(call)
+        return _CALLER[0]
 
 
 @md.hookimpl
@@ -106,7 +145,7 @@ def moe_dispatch_backends() -> list[md.BackendSpec]:
     return [md.BackendSpec(NAME, PRIORITY, VllmBackend(),
                            description="vLLM's CPU fused MoE kernel (cpu_fused_moe)",
                            version=_library.version(), validates_ids=True, ops=SCHEMAS,
-                           env_vars=(NO_VLLM,))]
+                           env_vars=(NO_VLLM, native.ENV, native.DIR_ENV))]
 
 
 __all__ = ["NAME", "PRIORITY", "VllmBackend", "VllmState"]

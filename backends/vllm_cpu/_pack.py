@@ -11,6 +11,8 @@ only read.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import attrs
 import torch
 
@@ -33,6 +35,9 @@ class VllmState:
     act: str
     inter: int  # I' (padded)
     isa: str  # "vec", or "amx" for bf16 where AMX tiles are
+    # The serialised kernel call, resolved once: the native module's run_op when it is
+    # loaded (one mutex for every call in the process), else a Python lock around the op.
+    call: Callable[..., None] = attrs.field(repr=False)
 
 
 def _pad_w13(w: torch.Tensor, inter: int, new: int, interleaved: bool) -> torch.Tensor:
@@ -55,7 +60,7 @@ def _prepack(w: torch.Tensor, isa: str) -> torch.Tensor:
     return out
 
 
-def build_state(weights: md.LayerWeights, isa: str) -> VllmState:
+def build_state(weights: md.LayerWeights, isa: str, call: Callable[..., None]) -> VllmState:
     config = weights.config
     inter, new = config.intermediate_size, padded(config.intermediate_size)
     inter_leaved = config.activation is md.Activation.SWIGLUOAI
@@ -65,4 +70,5 @@ def build_state(weights: md.LayerWeights, isa: str) -> VllmState:
         b13 = _pad_w13(b13, inter, new, inter_leaved) if b13 is not None else None
         w2 = torch.nn.functional.pad(w2, (0, new - inter))
     return VllmState(config, _prepack(w13, isa), _prepack(w2, isa), md.kernels.owned_copy(b13),
-                     md.kernels.owned_copy(weights.w2_bias), config.activation.value, new, isa)
+                     md.kernels.owned_copy(weights.w2_bias), config.activation.value, new, isa,
+                     call)

@@ -1,33 +1,24 @@
-// The zentorch backend's native decode path (built by native.py at first use).
-//
-// Why C++: at T=1 the op takes 2-6 ms and streams its experts' weights through every
-// cache, so the Python that runs between two calls runs cold: measured, the layer's
-// Python checks plus the backend's cost ~80-110 us per call, 1.5-5% of the kernel. The
-// same checks here cost a few microseconds, which puts MoELayer within noise of calling
-// the op directly.
-//
-// FastCall takes a call only when it can prove it is the plain case, and returns None
-// for anything else; the layer then runs its Python path, which raises the precise
-// error or rewrites the call (int64 ids, duplicate ids, ...). So this file holds no
-// error messages and no rewriting: only the checks and the op call.
+// The zentorch backend's native decode path (built by native.py at first use): the plain
+// call's checks in C++ (the toolkit header says why and what "plain" is) and the op called
+// through the dispatcher; the layer's Python path handles the rest (int64 ids, an id
+// repeated in a row, ...).
 //
 // run_op is the one place that calls the op once this module is loaded (the Python paths
 // call it too): the op is not thread-safe, and one mutex must guard every call.
 
-#include <torch/extension.h>
-#include <torch/csrc/autograd/python_variable.h>
+#include <moe_dispatch_fast_call.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <mutex>
-#include <optional>
 #include <string>
-#include <vector>
 
 namespace {
 
 namespace py = pybind11;
 using OptTensor = std::optional<at::Tensor>;
+using moe_dispatch::PlainCall;
+using moe_dispatch::PlainSpec;
 
 // zentorch 2.13: zentorch_fused_moe(Tensor(a!) output, Tensor input, Tensor w13, Tensor w2,
 //   Tensor? w13_bias, Tensor? w2_bias, Tensor topk_weights, Tensor topk_id,
@@ -63,66 +54,43 @@ void call_op_locked(const at::Tensor& out, const at::Tensor& x, const at::Tensor
                    kOpName);
 }
 
-bool plain_input(PyObject* obj, at::ScalarType dtype, int64_t rows, int64_t cols) {
-  // Exactly torch.Tensor, as the layer's Python path asks (THPVariable_CheckExact also
-  // admits nn.Parameter; a subclass may override anything), dense, on the CPU, contiguous.
-  if (Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) return false;
-  const at::Tensor& t = THPVariable_Unpack(obj);
-  return t.layout() == at::kStrided && t.is_cpu() && t.scalar_type() == dtype &&
-         t.dim() == 2 && (rows < 0 || t.size(0) == rows) && t.size(1) == cols &&
-         t.is_contiguous();
-}
-
 class FastCall {
  public:
   FastCall(at::Tensor w13, at::Tensor w2, OptTensor b13, OptTensor b2, std::string act,
            int64_t hidden, int64_t top_k, int64_t experts, at::ScalarType dtype,
            std::vector<at::Tensor> watched, std::vector<int64_t> versions)
       : w13_(std::move(w13)), w2_(std::move(w2)), b13_(std::move(b13)), b2_(std::move(b2)),
-        act_(std::move(act)), hidden_(hidden), top_k_(top_k), experts_(experts),
-        dtype_(dtype), watched_(std::move(watched)), versions_(std::move(versions)) {
-    TORCH_CHECK(watched_.size() == versions_.size(), "one version per watched tensor");
-    TORCH_CHECK(top_k_ > 1 && hidden_ > 0 && experts_ > 1, "FastCall: a plain config");
+        act_(std::move(act)) {
+    TORCH_CHECK(watched.size() == versions.size(), "one version per watched tensor");
+    TORCH_CHECK(top_k > 1 && hidden > 0 && experts > 1, "FastCall: a plain config");
+    spec_.hidden = hidden;
+    spec_.top_k = top_k;
+    spec_.experts = experts;
+    spec_.dtype = dtype;
+    // The op silently returns wrong numbers for an id repeated in a row; it checks the
+    // range too, but its error is not the layer's typed one.
+    spec_.reject_repeated_ids = true;
+    spec_.watched = std::move(watched);
+    spec_.versions = std::move(versions);
     op_handle();  // resolve now: a missing op fails here, at prepare(), not at a forward
   }
 
   // The output, or None when the call is not the plain case (the caller's Python path
   // then handles it, errors included).
   py::object operator()(py::handle x, py::handle tw, py::handle ids) const {
-    if (!plain_input(x.ptr(), dtype_, -1, hidden_)) return py::none();
-    const at::Tensor& xt = THPVariable_Unpack(x.ptr());
-    const int64_t tokens = xt.size(0);
-    if (tokens == 0 || !plain_input(tw.ptr(), at::kFloat, tokens, top_k_) ||
-        !plain_input(ids.ptr(), at::kInt, tokens, top_k_))
-      return py::none();
-    // The caller's canonical weights unchanged since prepare() (the layer's version check).
-    for (size_t i = 0; i < watched_.size(); ++i)
-      if (watched_[i]._version() != versions_[i]) return py::none();
-    // Ids in range (the op checks too, but its error is not the layer's typed one) and no
-    // id repeated in a row (the op silently returns wrong numbers for those).
-    const at::Tensor& it = THPVariable_Unpack(ids.ptr());
-    const int32_t* row = it.const_data_ptr<int32_t>();
-    for (int64_t r = 0; r < tokens; ++r, row += top_k_) {
-      for (int64_t a = 0; a < top_k_; ++a) {
-        if (row[a] < 0 || row[a] >= experts_) return py::none();
-        for (int64_t b = 0; b < a; ++b)
-          if (row[a] == row[b]) return py::none();
-      }
-    }
-    const at::Tensor& twt = THPVariable_Unpack(tw.ptr());
-    at::Tensor out = at::empty_like(xt);
-    call_op_locked(out, xt, w13_, w2_, b13_, b2_, twt, it, false, act_);
-    return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out)));
+    const std::optional<PlainCall> call = PlainCall::check(spec_, x, tw, ids);
+    if (!call) return py::none();
+    at::Tensor out = at::empty_like(*call->x);
+    call_op_locked(out, *call->x, w13_, w2_, b13_, b2_, *call->topk_weights, *call->topk_ids,
+                   false, act_);
+    return moe_dispatch::wrap(std::move(out));
   }
 
  private:
   at::Tensor w13_, w2_;
   OptTensor b13_, b2_;
   std::string act_;
-  int64_t hidden_, top_k_, experts_;
-  at::ScalarType dtype_;
-  std::vector<at::Tensor> watched_;
-  std::vector<int64_t> versions_;
+  PlainSpec spec_;
 };
 
 }  // namespace

@@ -8,6 +8,7 @@ off switch set, or after a failed build, :meth:`NativeExtension.load` returns No
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -23,6 +24,9 @@ import torch
 log = logging.getLogger("moe_dispatch")
 
 _OFF = ("0", "false", "no", "off")
+# The toolkit's C++ header for native entries (moe_dispatch_fast_call.h), on every module's
+# include path.
+INCLUDE_DIR = Path(__file__).with_name("include")
 
 
 def cache_dir() -> Path:
@@ -61,18 +65,23 @@ class NativeExtension:
                  before_build: Callable[[], None] | None = None) -> None:
         self.name, self.sources, self.what = name, [str(s) for s in sources], what
         self.switch, self.dir_env = switch, dir_env
-        self.extra_cflags = list(extra_cflags)
+        # The header's hash as a define: torch's builder rebuilds when its arguments change,
+        # and it hashes only the sources, not the headers they include.
+        digest = hashlib.sha256((INCLUDE_DIR / "moe_dispatch_fast_call.h").read_bytes()).hexdigest()
+        self.extra_cflags = list(extra_cflags) + [f"-DMOE_DISPATCH_TOOLKIT_H={digest[:16]}"]
         self.before_build = before_build
         self.verbose = False
         self._lock = threading.Lock()
         self._result: tuple[ModuleType | None, str] | None = None
 
     def build_directory(self) -> Path:
+        """One directory per module: torch's builder keeps its build file and objects
+        there, and two modules in one directory would rebuild each other."""
         env = os.environ.get(self.dir_env)
         if env:
-            return Path(env)
+            return Path(env) / self.name
         tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
-        return cache_dir() / "native" / tag
+        return cache_dir() / "native" / tag / self.name
 
     def disabled(self) -> bool:
         return os.environ.get(self.switch, "1").strip().lower() in _OFF
@@ -122,7 +131,8 @@ class NativeExtension:
                      self.what, directory)
             with _ninja_on_path():
                 module = build(name=self.name, sources=self.sources, build_directory=str(directory),
-                               extra_cflags=self.extra_cflags, verbose=self.verbose)
+                               extra_cflags=self.extra_cflags, verbose=self.verbose,
+                               extra_include_paths=[str(INCLUDE_DIR)])
         except Exception as exc:  # a failed build degrades to the Python path, never breaks it
             # The first line only (a compiler log follows it); a verbose build shows all.
             first = (str(exc).strip().splitlines() or [""])[0]

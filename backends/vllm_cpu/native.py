@@ -1,0 +1,66 @@
+"""Build and load the vllm backend's native entry (``native.cpp``).
+
+Compiled with torch's C++ extension builder the first time a process needs it (about 30 s
+on 2 cores; ``scripts/setup.sh`` does it at install) into the user cache. Without a
+compiler, with ``MOE_DISPATCH_NATIVE=0`` or after a failed build, the backend runs its
+Python path and :func:`status` says why.
+
+Run ``python -m moe_dispatch_backends.vllm_cpu.native`` to build it and print the status.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import ModuleType
+
+from moe_dispatch.kernels import NativeExtension
+
+from . import _library
+
+ENV = "MOE_DISPATCH_NATIVE"
+DIR_ENV = "MOE_DISPATCH_NATIVE_DIR"
+SOURCE = Path(__file__).with_name("native.cpp")
+MODULE_NAME = "moe_dispatch_vllm_native"
+
+
+def _register_ops() -> None:
+    _library.load()  # the module resolves _C::cpu_fused_moe when a FastCall is made
+
+
+EXTENSION = NativeExtension(MODULE_NAME, [SOURCE], switch=ENV, dir_env=DIR_ENV,
+                            what="vllm native entry", before_build=_register_ops)
+
+
+def load() -> ModuleType | None:
+    """The compiled module, or None (the reason is in :func:`status`). Decided once per
+    process: every kernel call in a process must go through the same lock."""
+    return EXTENSION.load()
+
+
+def status() -> str:
+    return EXTENSION.status()
+
+
+def describe() -> str:
+    """The status without building anything (for ``moe-dispatch doctor``)."""
+    text = EXTENSION.describe()
+    if text.startswith("not built yet"):
+        text += f", or now with `python -m {__name__}`"
+    return text
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    present, text = _library.load()
+    if not present:
+        print(f"vllm native entry: not built ({text})")
+        return 0
+    EXTENSION.verbose = True  # the builder's commands and compiler output, when it builds
+    module = load()
+    print(f"vllm native entry: {status()}")
+    return 0 if module is not None or EXTENSION.disabled() else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""The tuning cache: tuned routing tables persisted in a JSON file.
+
+Keyed by (config, capabilities fingerprint, thread count, candidates' versions), so a table
+is reused only on the machine, shape and kernels it was measured for. The file is data
+only: parsed with ``json``, validated, and ignored with a WARNING when corrupt or stale.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from ._capabilities import Capabilities
+from ._config import MoEConfig, dtype_name
+from .kernels import cache_dir
+
+log = logging.getLogger("moe_dispatch")
+
+CACHE_VERSION = 1
+
+
+@attrs.frozen(slots=True)
+class CachedTable:
+    """A table read back: the winner per bucket and which buckets were measured (the others
+    took the nearest measured bucket's winner, or the priority choice)."""
+
+    winners: dict[int, str]
+    measured: tuple[int, ...]
+    timings: dict[int, dict[str, float]]
+
+
+def tuning_key(config: MoEConfig, caps: Capabilities, versions: dict[str, str]) -> str:
+    parts = [config.describe(), dtype_name(config.dtype), caps.fingerprint(), str(caps.threads),
+             json.dumps(sorted(versions.items()))]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+
+
+def default_cache_path() -> Path:
+    env = os.environ.get("MOE_DISPATCH_TUNING_CACHE")
+    if env:
+        return Path(env)
+    return cache_dir() / "tuning.json"
+
+
+class TuningCache:
+    """A JSON file of tuned tables. Corrupt or mismatched content is ignored with a WARNING."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = Path(path) if path is not None else default_cache_path()
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            log.warning("moe-dispatch: tuning cache %s unreadable (%s); ignored", self.path, exc)
+            return {}
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            log.warning("moe-dispatch: tuning cache %s is not valid JSON (%s); ignored", self.path, exc)
+            return {}
+        if (not isinstance(data, dict) or data.get("version") != CACHE_VERSION
+                or not isinstance(data.get("entries"), dict)):
+            log.warning("moe-dispatch: tuning cache %s has an unknown format; ignored", self.path)
+            return {}
+        return data["entries"]
+
+    def get(self, key: str, candidates: list[str], sizes: list[int]) -> CachedTable | None:
+        entry = self._read().get(key)
+        if entry is None:
+            return None
+        table = _validate_entry(entry, candidates, sizes)
+        if table is None:
+            log.warning("moe-dispatch: tuning cache entry %s in %s is stale or malformed "
+                        "(backends or buckets changed); re-tuning", key, self.path)
+        return table
+
+    def put(self, key: str, table: dict[int, str], timings: dict[int, dict[str, float]],
+            config: MoEConfig) -> None:
+        """Store ``table``; the buckets with ``timings`` are the measured ones."""
+        with self._lock:
+            entries = self._read()
+            entries[key] = {"config": config.describe(),
+                            "buckets": {str(t): name for t, name in table.items()},
+                            "measured": sorted(timings),
+                            "timings_ms": {str(t): v for t, v in timings.items()},
+                            "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tuning-")
+                with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                    json.dump({"version": CACHE_VERSION, "entries": entries}, fh, indent=1)
+                os.replace(tmp, self.path)
+            except OSError as exc:
+                log.warning("moe-dispatch: cannot write tuning cache %s (%s)", self.path, exc)
+
+
+def _validate_entry(entry: Any, candidates: list[str], sizes: list[int]) -> CachedTable | None:
+    if not isinstance(entry, dict) or not isinstance(entry.get("buckets"), dict):
+        return None
+    table: dict[int, str] = {}
+    for k, v in entry["buckets"].items():
+        if not (isinstance(k, str) and k.isdigit() and isinstance(v, str) and v in candidates):
+            return None
+        table[int(k)] = v
+    if sorted(table) != sizes:
+        return None
+    # Entries without the list were written by an exhaustive tuning: every bucket measured.
+    measured = entry.get("measured", sizes)
+    if not (isinstance(measured, list) and all(isinstance(t, int) and t in table for t in measured)):
+        return None
+    timings: dict[int, dict[str, float]] = {}
+    raw = entry.get("timings_ms")
+    if isinstance(raw, dict):
+        for k, row in raw.items():
+            if isinstance(k, str) and k.isdigit() and isinstance(row, dict) and all(
+                    isinstance(n, str) and isinstance(ms, (int, float)) for n, ms in row.items()):
+                timings[int(k)] = {n: float(ms) for n, ms in row.items()}
+    return CachedTable(table, tuple(sorted(measured)), timings)
