@@ -1,4 +1,4 @@
-"""Time every accepting backend, and the raw zentorch op, side by side in one process.
+"""Time every accepting backend, the raw vendor kernels and the default layer side by side.
 
 Usage:
     .venv/bin/python benchmarks/bench_backends.py [--config C2 C1] [--dtype float32]
@@ -6,10 +6,15 @@ Usage:
 
 Configs: C1 = E=8, K=2, H=1024, I=1408; C2 = E=64, K=8, H=2048, I=768.
 
-Candidates are called round-robin (A, B, C, A, B, C, ...) so machine noise hits all of them
-alike, each call with a routing drawn from a pool; medians and ratios to the fastest are
-printed. "raw:zentorch_fused_moe" calls the op directly on the prepared weights with inputs
-already in the op's form: "layer:zentorch" over it is the framework's overhead.
+Candidates are called in rounds (each round calls every candidate once, in a shuffled
+order) so machine noise hits all of them alike, each call with a routing drawn from a pool;
+medians and ratios to the fastest candidate of the row are printed. The candidates:
+- "layer:NAME": a MoELayer forced to each accepting backend (* marks the resolver's choice);
+- "raw:zentorch op" / "raw:vllm kernel": the vendor's op called directly on the prepared
+  weights with inputs already in its form (no checks, no lock): a layer over it is the
+  framework's overhead;
+- "default": ``MoELayer(config)`` as a user gets it (policy="auto", tuned fresh at prepare();
+  its table is printed).
 (benchmarks/bench_perf.py is the full report: policies, regret, ceilings.)
 """
 
@@ -40,13 +45,35 @@ def _weights(config: md.MoEConfig, seed: int = 0) -> tuple[torch.Tensor, torch.T
 def raw_zentorch(layer: md.MoELayer):
     """The op itself on the layer's prepared private weights."""
     state = layer.plan.route.state
+    op = torch.ops.zentorch.zentorch_fused_moe
 
     def run(x, tw, ids):
         out = torch.empty_like(x)
-        torch.ops.zentorch.zentorch_fused_moe(out, x, state.w13, state.w2, None, None, tw, ids,
-                                              False, state.act)
+        op(out, x, state.w13, state.w2, None, None, tw, ids, False, state.act)
         return out
     return run
+
+
+def raw_vllm(layer: md.MoELayer):
+    """vLLM's kernel itself on the layer's prepacked private weights."""
+    state = layer.plan.route.state
+    op = torch.ops._C.cpu_fused_moe
+
+    def run(x, tw, ids):
+        out = torch.empty_like(x)
+        op(out, x, state.w13, state.w2, None, None, tw, ids, False, state.act, state.isa)
+        return out
+    return run
+
+
+def raw_kernels(layers: dict[str, md.MoELayer]) -> dict:
+    """The raw vendor kernels on the forced layers' prepared weights."""
+    fns = {}
+    if "zentorch" in layers:
+        fns["raw:zentorch op"] = raw_zentorch(layers["zentorch"])
+    if "vllm" in layers:
+        fns["raw:vllm kernel"] = raw_vllm(layers["vllm"])
+    return fns
 
 
 def direct_apply(layer: md.MoELayer):
@@ -72,18 +99,22 @@ def main(argv: list[str] | None = None) -> int:
     for cname in args.config:
         config = md.MoEConfig(**CONFIGS[cname], dtype=dtype)
         chosen = md.resolve(config).backend
+        w = random_weights(config)
         t0 = time.perf_counter()
-        layers = prepared_layers(config, random_weights(config), log=sys.stderr)
+        layers = prepared_layers(config, w, log=sys.stderr)
         fns = {f"layer:{n}" + (" *" if n == chosen else ""): layer for n, layer in layers.items()}
-        if "zentorch" in layers:
-            fns["raw:zentorch_fused_moe"] = raw_zentorch(layers["zentorch"])
-        print(f"\n{cname}: {config.describe()}  (prepare all: {time.perf_counter() - t0:.1f} s; "
-              "* = the resolver's choice)")
+        fns.update(raw_kernels(layers))
+        t1 = time.perf_counter()
+        default = md.MoELayer(config, tuning_cache=False).load_weights(**w).prepare()
+        fns["default"] = default
+        print(f"\n{cname}: {config.describe()}  (prepare all forced: {t1 - t0:.1f} s; the default's "
+              f"prepare(): {time.perf_counter() - t1:.1f} s; * = the resolver's choice)")
+        print("default table: " + ", ".join(f"T<={t}: {n}" for t, n in (default.tuned_table or {}).items()))
         print(f"{'T':>5}  {'candidate':<26} {'median ms':>10} {'x fastest':>10}")
         for tokens in [int(t) for t in args.tokens.split(",")]:
             reps = max(5, args.reps if tokens <= 128 else args.reps // 2)
             med = time_side_by_side(fns, random_inputs(config, tokens), reps)
-            best = min(v for k, v in med.items() if k.startswith("layer:"))
+            best = min(v for k, v in med.items() if k != "default")
             for name, ms in med.items():
                 print(f"{tokens:>5}  {name:<26} {ms:>10.2f} {ms / best:>10.2f}")
     return 0

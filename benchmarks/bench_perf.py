@@ -1,17 +1,20 @@
 """The performance report: backends, policies, raw kernels, overhead, regret, ceilings.
 
 Usage:
-    .venv/bin/python benchmarks/bench_perf.py [--dtype float32] [--reps 11] [--markdown out.md]
+    .venv/bin/python benchmarks/bench_perf.py [--dtype float32] [--reps 11] [--config C2 C1]
+        [--markdown out.md]
 
 All timings are medians of rounds in one process: each round calls every candidate once,
 in a shuffled order, on the same fresh routing, so the machine's noise hits every candidate
 alike. Per grid point it reports:
-- every accepting built-in backend through MoELayer (policy="priority", forced);
-- the layer with policy="priority" (the resolver's choice) and policy="fastest" (tuned);
-- the raw zentorch op on the prepared weights, and the overhead ratio at T=1: the layer over
-  the chosen kernel called directly (the raw zentorch op, or for another backend its apply
-  on the layer's prepared state);
-- regret: each policy's time over the fastest backend's, as the median of per-round ratios;
+- every accepting built-in backend through MoELayer (forced);
+- the raw zentorch op and the raw vLLM kernel on the forced layers' prepared weights;
+- the layer with policy="auto" (the default, tuned fresh at prepare()), policy="priority"
+  (the resolver's choice) and policy="fastest" (every bucket measured);
+- regret: each policy's time over the fastest candidate's (backends and raw kernels), as
+  the median of per-round ratios;
+- the overhead at T=1 of every forced layer whose vendor kernel has a raw column: the layer
+  over the raw kernel, median of 1000 interleaved pairs;
 - the noise floor: a second layer forced to the priority choice (same kernel, same weights,
   other buffers) over the first, the same paired way: regrets within it are noise;
 - decode bandwidth (active expert bytes / time) and prefill GFLOP/s against this machine's
@@ -31,14 +34,15 @@ import moe_dispatch as md
 from moe_dispatch._timing import paired_ratio, time_pairs, time_rounds
 from moe_dispatch.testing import random_inputs, random_weights
 
-from bench_backends import direct_apply, raw_zentorch
+from bench_backends import raw_kernels
 
 CONFIGS = {
     "C2": dict(num_experts=64, top_k=8, hidden_size=2048, intermediate_size=768),
     "C1": dict(num_experts=8, top_k=2, hidden_size=1024, intermediate_size=1408),
 }
 TOKENS = (1, 8, 128, 512)
-BUILTINS = ("zentorch", "amx_grouped", "onednn", "torch")
+BUILTINS = ("zentorch", "vllm", "amx_grouped", "onednn", "torch")
+RAW_OF = {"zentorch": "raw:zentorch op", "vllm": "raw:vllm kernel"}
 
 
 def ceilings(dtype: torch.dtype) -> dict[str, float]:
@@ -78,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--reps", type=int, default=11)
     p.add_argument("--markdown", help="also write the tables here")
+    p.add_argument("--config", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     caps = md.Capabilities.detect()
@@ -85,31 +90,39 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"machine: {caps.fingerprint()} ({caps.cpu_model}), {torch.get_num_threads()} threads, {args.dtype}",
              f"ceilings measured in this run: {args.dtype} 2048^3 matmul {ceil['matmul_gflops']:.3g} GFLOP/s; "
              f"1 GiB fp32 read {ceil['read_gbs']:.1f} GB/s", ""]
-    for cname, shape in CONFIGS.items():
-        config = md.MoEConfig(**shape, dtype=dtype)
+    for cname in args.config:
+        config = md.MoEConfig(**CONFIGS[cname], dtype=dtype)
         w = random_weights(config)
         res = md.resolve(config)
         backends = [c.name for c in res.candidates if c.decision.accepted and c.name in BUILTINS]
         t0 = time.perf_counter()
         fns = {b: md.MoELayer(config, backend=b).load_weights(**w).prepare() for b in backends}
-        fns["policy=priority"] = md.MoELayer(config).load_weights(**w).prepare()
-        fns["policy=fastest"] = md.MoELayer(config, policy="fastest", exclude=[
-            n for n in md.available_backends() if n not in BUILTINS], tuning_cache=False).load_weights(**w).prepare()
+        raws = raw_kernels(fns)
+        fns.update(raws)
+        others = [n for n in md.available_backends() if n not in BUILTINS]
+        t1 = time.perf_counter()
+        fns["policy=auto"] = md.MoELayer(config, policy="auto", exclude=others,
+                                         tuning_cache=False).load_weights(**w).prepare()
+        auto_s = time.perf_counter() - t1
+        fns["policy=priority"] = md.MoELayer(config, policy="priority").load_weights(**w).prepare()
+        fns["policy=fastest"] = md.MoELayer(config, policy="fastest", exclude=others,
+                                            tuning_cache=False).load_weights(**w).prepare()
         # The noise floor: a second layer forced to the priority choice. It runs the same
         # kernel on the same weights as that backend's column, in other buffers.
         control = f"{res.backend} (2nd layer)"
         fns[control] = md.MoELayer(config, backend=res.backend).load_weights(**w).prepare()
-        if "zentorch" in backends:
-            fns["raw:zentorch op"] = raw_zentorch(fns["zentorch"])
         print(f"{cname} prepared in {time.perf_counter() - t0:.1f} s (tuning included)", file=sys.stderr)
-        tuned = fns["policy=fastest"].tuned_table
         lines.append(f"### {cname}: {config.describe()}")
         lines.append("")
-        lines.append(f"priority choice: `{res.backend}`; tuned table: "
-                     + ", ".join(f"T<={t}: {n}" for t, n in tuned.items()))
+        for policy in ("auto", "fastest"):
+            table = fns[f"policy={policy}"].tuned_table or {}
+            lines.append(f"policy={policy} table: " + ", ".join(f"T<={t}: {n}" for t, n in table.items()))
+            lines.append("")
+        lines.append(f"priority choice: `{res.backend}`; policy=auto's prepare(): {auto_s:.1f} s "
+                     "(tuning from nothing)")
         lines.append("")
-        head = (["T"] + list(fns) + ["fastest backend", "regret priority", "regret fastest",
-                                    "noise floor", "decode GB/s", "GFLOP/s"])
+        head = (["T"] + list(fns) + ["fastest candidate", "regret auto", "regret priority",
+                                    "regret fastest", "noise floor", "decode GB/s", "GFLOP/s"])
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + " ---: |" * len(head))
         bytes_per_expert = 3 * config.hidden_size * config.intermediate_size * w["w13"].element_size()
@@ -117,30 +130,26 @@ def main(argv: list[str] | None = None) -> int:
             samples = time_rounds(dict(fns), random_inputs(config, tokens), reps_for(tokens, args.reps),
                                   seed=tokens)
             med = {n: statistics.median(v) for n, v in samples.items()}
-            best = min(backends, key=lambda b: med[b])
-            prio = paired_ratio(samples, "policy=priority", best)
-            fast = paired_ratio(samples, "policy=fastest", best)
+            best = min(backends + list(raws), key=lambda b: med[b])
+            regrets = [paired_ratio(samples, f"policy={p}", best) for p in ("auto", "priority", "fastest")]
             floor = paired_ratio(samples, control, res.backend)
             _, ids = random_inputs(config, tokens, pool=1)[0][1:]
             active = len(torch.unique(ids))
-            chosen_ms = med["policy=priority"]
-            gbs = active * bytes_per_expert / (chosen_ms / 1e3) / 1e9
-            gflops = 2 * tokens * config.top_k * 3 * config.hidden_size * config.intermediate_size / (chosen_ms / 1e3) / 1e9
+            auto_ms = med["policy=auto"]
+            gbs = active * bytes_per_expert / (auto_ms / 1e3) / 1e9
+            gflops = 2 * tokens * config.top_k * 3 * config.hidden_size * config.intermediate_size / (auto_ms / 1e3) / 1e9
             row = ([str(tokens)] + [f"{med[n]:.2f}" for n in fns]
-                   + [best, f"{prio:.3f}", f"{fast:.3f}", f"{floor:.3f}", f"{gbs:.1f}", f"{gflops:.0f}"])
+                   + [best] + [f"{r:.3f}" for r in regrets] + [f"{floor:.3f}", f"{gbs:.1f}", f"{gflops:.0f}"])
             lines.append("| " + " | ".join(row) + " |")
             print(f"  {cname} T={tokens} done", file=sys.stderr)
         lines.append("")
         # The same layer's own prepared weights: copies at other addresses differ by a few
         # percent on their own (measured), which is not framework overhead.
-        chosen = fns["policy=priority"]
-        if chosen.backend == "zentorch":
-            direct, what = raw_zentorch(chosen), "raw zentorch op"
-        else:
-            direct, what = direct_apply(chosen), f"the {chosen.backend} backend's apply"
-        ov = overhead(chosen, direct, config)
-        lines.append(f"overhead at T=1 (median of 1000 interleaved pairs, MoELayer / {what}): "
-                     f"**{ov:.3f}**")
+        for name, raw in RAW_OF.items():
+            if name in fns:
+                ov = overhead(fns[name], raws[raw], config)
+                lines.append(f"overhead at T=1 (median of 1000 interleaved pairs, MoELayer forced to "
+                             f"{name} / {raw}): **{ov:.3f}**")
         lines.append("")
     text = "\n".join(lines)
     print(text)

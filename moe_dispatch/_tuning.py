@@ -8,7 +8,8 @@ cache (``_tuning_cache``), so each (machine, shape, kernel versions) is measured
 - "fastest" measures every bucket with every candidate, within its budget.
 - "auto" bounds the first prepare(): it measures a few buckets (1, 8, 64 and the cap for
   a cap of 512), bisects only between two measured buckets whose winners differ, drops a
-  candidate from larger buckets once it is ``DROP_FACTOR`` times slower than the best, and
+  candidate from larger buckets once it was ``DROP_FACTOR`` times slower than the best at
+  two measured buckets in a row, and
   skips a bucket whose estimated cost would overrun the budget. An unmeasured bucket takes
   the winner of the nearest measured one.
 
@@ -43,10 +44,10 @@ Timings = dict[int, dict[str, float]]  # bucket size -> candidate -> median ms
 # on a shared machine move by a few percent from run to run (measured: the same kernel in
 # two layers differs by up to ~5-8%), and a near-tie is not worth a second prepared state.
 SWITCH_MARGIN = 0.02
-# "auto" stops timing a candidate at larger buckets once it is this many times slower than
-# the best: in every grid measured (docs/performance.md) a backend's ratio to the best moves
-# by well under 2x between neighbouring probed buckets (8x apart in T), so such a candidate
-# does not win later; policy="fastest" times everything everywhere.
+# "auto" stops timing a candidate at larger buckets once it was this many times slower than
+# the best at two measured buckets in a row (one is not enough: a kernel built for prefill
+# may lose badly at T=1 and still win at T=512). In every grid measured (docs/performance.md)
+# no backend that far behind twice caught up later; policy="fastest" times everything.
 DROP_FACTOR = 2.5
 
 
@@ -108,6 +109,7 @@ def measure_adaptive(runners: dict[str, Runner], config: MoEConfig, sizes: list[
     n = len(sizes)
     timings: dict[int, dict[str, float]] = {}  # by bucket index while measuring
     alive_after: dict[int, list[str]] = {}
+    over_after: dict[int, set[str]] = {}  # candidates DROP_FACTOR slower than the best there
 
     def measure_at(i: int) -> bool:
         below = [j for j in timings if j < i]
@@ -127,7 +129,9 @@ def measure_adaptive(runners: dict[str, Runner], config: MoEConfig, sizes: list[
         med = _time_bucket(runners, names, config, sizes[i], reps)
         timings[i] = med
         best = min(med.values())
-        alive_after[i] = [m for m in names if med[m] <= best * DROP_FACTOR]
+        over_after[i] = {m for m in names if med[m] > best * DROP_FACTOR}
+        before = over_after[max(below)] if below else set()
+        alive_after[i] = [m for m in names if not (m in over_after[i] and m in before)]
         return True
 
     complete = all(measure_at(i) for i in sorted({*range(0, n, 3), n - 1}))

@@ -9,13 +9,20 @@ import pytest
 import torch
 
 import moe_dispatch as md
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from helpers import TOLERANCE, assert_unchanged, random_routing, random_weights, reference, rel_error, snapshot
 from moe_dispatch.testing import machine
+from moe_dispatch.testing.strategies import call_variants
 
-from moe_dispatch_backends.vllm_cpu import FUSED_ARGS, VllmBackend, _library  # noqa: E402
+from moe_dispatch_backends.vllm_cpu import FUSED_ARGS, VllmBackend, _library, native  # noqa: E402
 
 LOADED, WHY = _library.load()
 needs_vllm = pytest.mark.skipif(not LOADED, reason=f"vLLM's CPU kernels unavailable: {WHY}")
+NATIVE = native.load() is not None if LOADED else False
+needs_entry = pytest.mark.skipif(not NATIVE, reason=f"the vllm C++ entry is unavailable: "
+                                                   f"{native.status() if LOADED else WHY}")
 ZEN3 = machine("zen3")
 
 
@@ -94,6 +101,7 @@ def test_out_of_range_ids_never_reach_the_kernel(bad):
 
 @needs_vllm
 def test_eight_threads_agree_with_the_serial_result():
+    """Half the threads take the C++ entry, half the Python path: one mutex guards both."""
     cfg = md.MoEConfig(16, 4, 128, 64, dtype=torch.bfloat16)
     layer, _ = _layer(cfg)
     layer.prepare()
@@ -104,7 +112,7 @@ def test_eight_threads_agree_with_the_serial_result():
     def work(tid: int) -> None:
         for i in range(50):
             j = (i + tid) % len(inputs)
-            if not torch.equal(layer(*inputs[j]), serial[j]):
+            if not torch.equal(layer.run(*inputs[j], native=tid % 2 == 0), serial[j]):
                 wrong.append(j)
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
@@ -167,3 +175,62 @@ def test_default_routing_takes_vllm_for_bf16_where_zentorch_refuses_it():
     if caps.avx512_bf16 and "zentorch" in md.available_backends():
         pytest.skip("AVX512-BF16 machine: zentorch (priority 400) takes bf16 here")
     assert res.backend == "vllm", res.explain()
+
+
+# -- the C++ entry -------------------------------------------------------------------------
+@needs_vllm
+@needs_entry
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_plain_calls_run_in_cpp_and_match_the_python_path(dtype):
+    cfg = md.MoEConfig(16, 4, 128, 77, dtype=dtype)  # I padded to 96
+    layer, w = _layer(cfg)
+    layer.prepare()
+    assert type(layer.plan.native).__name__ == "FastCall" and "native entry" in layer.explain()
+    for tokens in (1, 7, 64):
+        x, tw, ids = random_routing(cfg, tokens, seed=tokens)
+        ids[0, 1] = ids[0, 0]  # a repeated id is plain for this kernel
+        out = layer.plan.native(x, tw, ids)
+        assert out is not None
+        assert torch.equal(out, layer.run(x, tw, ids, native=False))  # the same kernel
+        assert rel_error(out, reference(cfg, w, x, tw, ids)) <= TOLERANCE[dtype]
+
+
+@needs_vllm
+@needs_entry
+def test_the_entry_declines_what_is_not_plain():
+    cfg = md.MoEConfig(8, 2, 64, 32, dtype=torch.float32)
+    layer, w = _layer(cfg)
+    layer.prepare()
+    entry = layer.plan.native
+    x, tw, ids = random_routing(cfg, 4, seed=1)
+    assert entry(x, tw, ids) is not None
+    for bad in (-1, 8):  # never reaches the kernel: the Python path raises the typed error
+        bad_ids = ids.clone()
+        bad_ids[1, 0] = bad
+        assert entry(x, tw, bad_ids) is None
+    assert entry(x, tw, ids.long()) is None and entry(x, tw.double(), ids) is None
+    assert entry(x[:0], tw[:0], ids[:0]) is None
+    w["w13"].add_(0.0)  # an in-place update after prepare(): the layer's version check
+    assert entry(x, tw, ids) is None
+    with pytest.raises(md.LayerStateError):
+        layer(x, tw, ids)
+    on_input = md.MoEConfig(8, 1, 64, 32, dtype=torch.float32, apply_router_weight_on_input=True)
+    layer2, _ = _layer(on_input)
+    assert layer2.prepare().plan.native is None  # the kernel may see only a private copy then
+
+
+@needs_vllm
+@needs_entry
+@settings(max_examples=40)
+@given(data=st.data())
+def test_the_entry_takes_only_plain_calls(data):
+    cfg = md.MoEConfig(8, 2, 64, 32, dtype=torch.float32)
+    layer, w = _layer(cfg)
+    layer.prepare()
+    variant, args = data.draw(call_variants(cfg))
+    out = layer.plan.native(*args)
+    if variant not in ("plain", "repeated_id", "strided_ids", "strided_weights", "strided_hidden"):
+        assert out is None, variant
+    if out is not None:
+        x, tw, ids = args
+        assert rel_error(out, reference(cfg, w, x, tw, ids)) <= TOLERANCE[torch.float32]

@@ -1,0 +1,201 @@
+"""The default policy ("auto"): each token count runs the backend measured fastest for it.
+
+The backends here run the portable loop (so every answer is checked against the float64
+reference) and sleep for a time that depends on the token count: their speed ranking per
+token count is known, with margins of 3x and more, so the routing the tuner must find is
+known too (ratios within ``DROP_FACTOR``, so no candidate is dropped unless a test means it
+to be). No test asserts a real kernel's timing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+import moe_dispatch as md
+from moe_dispatch.kernels import expert_loop
+from moe_dispatch.testing import TOLERANCE, random_routing, random_weights, reference, rel_error
+
+CFG = md.MoEConfig(4, 2, 32, 16, dtype=torch.float32)
+CAP = 64  # buckets 1, 2, 4, 8, 16, 32, 64; probed first: 1, 8, 64
+
+
+class Paced(md.BackendBase):
+    """The loop, then a sleep of ``small`` ms for T <= ``switch`` tokens, else ``large``."""
+
+    def __init__(self, small: float, large: float, switch: int = 16, entry: bool = False) -> None:
+        self.small, self.large, self.switch, self.entry = small, large, switch, entry
+        self.prepared = 0
+        self.calls: Counter[int] = Counter()  # token count -> calls (tuning and forwards)
+        self.entry_calls = 0
+
+    def supports_config(self, config, capabilities):
+        return md.accept("paced loop")
+
+    def process_weights(self, weights, capabilities):
+        self.prepared += 1
+        return weights
+
+    def apply(self, state, x, tw, ids):
+        tokens = x.shape[0]
+        self.calls[tokens] += 1
+        time.sleep((self.small if tokens <= self.switch else self.large) / 1e3)
+        return expert_loop(state, x, tw, ids)
+
+    def fast_call(self, state, guard):
+        if not self.entry:
+            return None
+
+        def entry(x, tw, ids):
+            self.entry_calls += 1
+            return self.apply(state, x, tw, ids)
+        return entry
+
+
+def _registry(**backends: tuple[int, Paced]) -> md.Registry:
+    reg = md.Registry(load_entry_points=False)
+    for name, (priority, backend) in backends.items():
+        reg.register(md.BackendSpec(name, priority, backend))
+    return reg
+
+
+@pytest.fixture
+def default_policy(monkeypatch):
+    """The environment a user has: no MOE_DISPATCH_POLICY (conftest sets "priority")."""
+    monkeypatch.delenv("MOE_DISPATCH_POLICY", raising=False)
+
+
+def _check(layer, w, tokens, seed=0):
+    x, tw, ids = random_routing(CFG, tokens, seed=seed)
+    assert rel_error(layer(x, tw, ids), reference(CFG, w, x, tw, ids)) <= TOLERANCE[torch.float32]
+
+
+def test_the_default_routes_every_token_count_to_its_fastest_backend(default_policy, tmp_path):
+    small, large = Paced(2, 12), Paced(4, 3)
+    w = random_weights(CFG)
+    with md.use_registry(_registry(small=(50, small), large=(40, large))):
+        layer = md.MoELayer(CFG, tune_max_tokens=CAP, tuning_cache=tmp_path / "t.json")
+        assert layer.policy == "auto"
+        layer.load_weights(**w).prepare()
+        assert layer.backend == "small"  # the resolver's choice is unchanged
+        assert layer.tuned_table == {1: "small", 2: "small", 4: "small", 8: "small", 16: "small",
+                                     32: "large", 64: "large"}
+        # Probed 1, 8, 64; bisected between 8 and 64 (winners differ): 16, then 32.
+        assert set(large.calls) == {1, 8, 16, 32, 64}
+        text = layer.explain()
+        assert "policy=auto: measured at prepare()" in text and "5 of 7 buckets" in text
+        assert "T<=2     small        not measured: nearest measured bucket" in text
+        assert "T<=32    large        measured (large " in text
+        before = dict(small.calls), dict(large.calls)
+        for tokens in (3, 40, 100):  # 100: beyond the last bucket, which takes it
+            _check(layer, w, tokens, seed=tokens)
+        assert small.calls[3] == before[0].get(3, 0) + 1
+        assert large.calls[40] == before[1].get(40, 0) + 1
+        assert large.calls[100] == 1
+
+
+def test_a_clear_loser_is_not_timed_at_larger_buckets(default_policy):
+    small, large, slow = Paced(2, 12), Paced(4, 3), Paced(30, 30)
+    with md.use_registry(_registry(small=(50, small), large=(40, large), slow=(30, slow))):
+        md.MoELayer(CFG, tune_max_tokens=CAP, tuning_cache=False).load_weights(
+            **random_weights(CFG)).prepare()
+        assert set(slow.calls) == {1, 8}  # 15x slower than the best at T=1 and 8: dropped
+        slow.calls.clear()
+        md.MoELayer(CFG, policy="fastest", tune_max_tokens=CAP, tuning_cache=False).load_weights(
+            **random_weights(CFG)).prepare()
+        assert set(slow.calls) == {1, 2, 4, 8, 16, 32, 64}  # "fastest" times everything
+
+
+def test_the_budget_bounds_the_first_prepare(default_policy, caplog):
+    a, b = Paced(40, 40), Paced(45, 45)  # ~0.5 s per bucket (2 backends x 6 calls)
+    with md.use_registry(_registry(a=(50, a), b=(40, b))), \
+            caplog.at_level(logging.WARNING, logger="moe_dispatch"):
+        t0 = time.perf_counter()
+        layer = md.MoELayer(CFG, tune_max_tokens=CAP, tune_budget_s=0.3, tuning_cache=False)
+        layer.load_weights(**random_weights(CFG)).prepare()
+        spent = time.perf_counter() - t0
+    # T=1 is always measured; T=8 is estimated at 8x T=1's cost and skipped.
+    assert set(a.calls) == {1} and spent < 2.0
+    assert set(layer.tuned_table.values()) == {"a"}  # every bucket: the nearest measured
+    assert any("tuning budget of 0.3 s spent after 1 of 7 buckets" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(md.InvalidArgumentError, match="tune_budget_s=-1"):
+        md.MoELayer(CFG, tune_budget_s=-1)
+
+
+def test_the_table_persists_and_a_hit_measures_nothing(default_policy, tmp_path):
+    cache = tmp_path / "tuning.json"
+    small, large = Paced(2, 12), Paced(4, 3)
+    w = random_weights(CFG)
+    with md.use_registry(_registry(small=(50, small), large=(40, large))):
+        first = md.MoELayer(CFG, tune_max_tokens=CAP, tuning_cache=cache).load_weights(**w).prepare()
+        entry = next(iter(json.loads(cache.read_text())["entries"].values()))
+        assert entry["measured"] == [1, 8, 16, 32, 64]
+        small.calls.clear(), large.calls.clear()
+        prepared = small.prepared, large.prepared
+        again = md.MoELayer(CFG, tune_max_tokens=CAP, tuning_cache=cache).load_weights(**w).prepare()
+        assert again.tuned_table == first.tuned_table
+        assert not small.calls and not large.calls  # nothing timed
+        assert (small.prepared, large.prepared) == (prepared[0] + 1, prepared[1] + 1)  # the winners
+        assert "from the tuning cache" in again.explain()
+        # "fastest" wants every bucket measured: a probed table is measured again, in full.
+        md.MoELayer(CFG, policy="fastest", tune_max_tokens=CAP, tuning_cache=cache).load_weights(
+            **w).prepare()
+        assert set(large.calls) == {1, 2, 4, 8, 16, 32, 64}
+
+
+def test_priority_stays_exact(default_policy):
+    small, large = Paced(2, 12), Paced(4, 3)
+    w = random_weights(CFG)
+    with md.use_registry(_registry(small=(50, small), large=(40, large))):
+        layer = md.MoELayer(CFG, policy="priority").load_weights(**w).prepare()
+        assert layer.tuned_table is None and large.prepared == 0 and not small.calls
+        for tokens in (1, 40):
+            _check(layer, w, tokens, seed=tokens)
+        assert set(small.calls) == {1, 40} and not large.calls
+        assert "routed per token count" not in layer.explain()
+
+
+def test_auto_times_at_most_three_candidates_by_default(default_policy):
+    backends = {f"b{i}": (50 - i, Paced(1 + i, 1 + i)) for i in range(4)}
+    with md.use_registry(_registry(**backends)):
+        layer = md.MoELayer(CFG, tune_max_tokens=4, tuning_cache=False)
+        layer.load_weights(**random_weights(CFG)).prepare()
+        assert [b.prepared for _, b in backends.values()] == [1, 1, 1, 0]  # priority order
+        assert "candidates b0, b1, b2" in layer.explain()
+        md.MoELayer(CFG, tune_max_tokens=4, max_candidates=4, tuning_cache=False).load_weights(
+            **random_weights(CFG)).prepare()
+        assert backends["b3"][1].prepared == 1
+
+
+def test_one_accepting_backend_is_not_timed(default_policy):
+    only = Paced(1, 1)
+    with md.use_registry(_registry(only=(50, only))):
+        layer = md.MoELayer(CFG, tune_max_tokens=4, tuning_cache=False)
+        layer.load_weights(**random_weights(CFG)).prepare()
+        assert not only.calls and set(layer.tuned_table.values()) == {"only"}
+        assert "one candidate (only): nothing to measure" in layer.explain()
+
+
+def test_each_bucket_runs_its_route_native_entry(default_policy):
+    """Plain calls go to the native entry of the route their token count is routed to;
+    tuning timed those entries (what the forward runs)."""
+    small, large = Paced(2, 12, entry=True), Paced(4, 3, entry=True)
+    w = random_weights(CFG)
+    with md.use_registry(_registry(small=(50, small), large=(40, large))):
+        layer = md.MoELayer(CFG, tune_max_tokens=CAP, tuning_cache=False).load_weights(**w).prepare()
+        assert small.entry_calls and large.entry_calls  # tuning went through the entries
+        assert layer.uses_native_entry and layer.plan.native is None  # two routes, two entries
+        assert "native entry (fast_call) of large, small" in layer.explain()
+        counts = small.entry_calls, large.entry_calls
+        _check(layer, w, 2, seed=2)
+        _check(layer, w, 50, seed=50)
+        assert (small.entry_calls, large.entry_calls) == (counts[0] + 1, counts[1] + 1)
+        x, tw, ids = random_routing(CFG, 2, seed=3)
+        layer.run(x, tw, ids, native=False)  # the Python path: no entry
+        assert (small.entry_calls, large.entry_calls) == (counts[0] + 1, counts[1] + 1)
