@@ -15,13 +15,14 @@ Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def time_rounds(fns: dict[str, Runner], inputs: list, reps: int, warmup: int = 2,
-                seed: int = 0) -> dict[str, list[float]]:
+                seed: int = 0, between: Callable[[], object] | None = None
+                ) -> dict[str, list[float]]:
     """ms per call of each candidate, one sample per round.
 
     Every round calls each candidate once on the same input, in a fresh random order, so
     the machine's drift hits every candidate alike and no candidate always runs right after
     the same neighbour. Sample ``r`` of two candidates come from the same round: their
-    ratio is a paired comparison.
+    ratio is a paired comparison. ``between`` runs, untimed, before every timed call.
     """
     order = list(fns)
     rng = random.Random(seed)
@@ -34,16 +35,37 @@ def time_rounds(fns: dict[str, Runner], inputs: list, reps: int, warmup: int = 2
         rng.shuffle(order)
         for name in order:
             fn = fns[name]
+            if between is not None:
+                between()
             t0 = time.perf_counter()
             fn(*args)
             samples[name].append((time.perf_counter() - t0) * 1e3)
     return samples
 
 
-def time_side_by_side(fns: dict[str, Runner], inputs: list, reps: int, warmup: int = 2
-                      ) -> dict[str, float]:
+def time_side_by_side(fns: dict[str, Runner], inputs: list, reps: int, warmup: int = 2,
+                      between: Callable[[], object] | None = None) -> dict[str, float]:
     """Median ms per call of each candidate (see :func:`time_rounds`)."""
-    return {n: statistics.median(v) for n, v in time_rounds(fns, inputs, reps, warmup).items()}
+    samples = time_rounds(fns, inputs, reps, warmup, between=between)
+    return {n: statistics.median(v) for n, v in samples.items()}
+
+
+class CacheFlush:
+    """Reads a buffer larger than the last-level cache, so that the next call finds none of
+    its weights cached. Why: in a model, every other layer's weights stream through the caches
+    between two calls of one layer, so a kernel is timed cold. Timed warm, a small layer whose
+    active experts fit in the cache (E=8 top-2 H=1024 I=1408 bf16 at T=1: 17 MB, in a 32 MB L3)
+    ranks kernels by how well they reuse a warm cache, which no model run sees (measured:
+    the tuned winner then lost by 9% in the cold benchmark)."""
+
+    def __init__(self, mib: int = 128) -> None:
+        self._buffer: torch.Tensor | None = None
+        self._mib = mib
+
+    def __call__(self) -> None:
+        if self._buffer is None:
+            self._buffer = torch.ones(self._mib * 1024 * 1024 // 4)
+        self._buffer.sum()
 
 
 def time_pairs(rows: list[tuple[Runner, Runner]], inputs: list, pairs: int

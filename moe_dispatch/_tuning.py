@@ -32,7 +32,7 @@ from ._random import random_inputs
 from ._resolution import Resolution, Status
 from ._resolver import call_check
 from ._spec import BackendRecord, LayerWeights
-from ._timing import time_side_by_side
+from ._timing import CacheFlush, time_side_by_side
 from ._tuning_cache import TuningCache, tuning_key
 
 log = logging.getLogger("moe_dispatch")
@@ -69,9 +69,12 @@ def pick_winner(medians: dict[str, float], default: str, margin: float = SWITCH_
 
 
 def _time_bucket(runners: dict[str, Runner], names: list[str], config: MoEConfig, tokens: int,
-                 reps: int) -> dict[str, float]:
+                 reps: int, flush: CacheFlush) -> dict[str, float]:
+    """Medians of rounds, each call on cold caches (``CacheFlush`` says why; its buffer lives
+    only while one layer is tuned)."""
     return time_side_by_side({n: runners[n] for n in names},
-                             random_inputs(config, tokens, pool=3, seed=tokens), reps, warmup=1)
+                             random_inputs(config, tokens, pool=3, seed=tokens), reps, warmup=1,
+                             between=flush)
 
 
 def _budget_spent(measured: int, total: int, budget_s: float, fill: str) -> None:
@@ -84,6 +87,7 @@ def measure(runners: dict[str, Runner], config: MoEConfig, sizes: list[int], bud
     """policy="fastest": every runner at every bucket size, round-robin, medians. Buckets
     left when the budget runs out get ``default`` (the priority choice)."""
     start = time.perf_counter()
+    flush = CacheFlush()
     table: dict[int, str] = {}
     timings: Timings = {}
     for n, tokens in enumerate(sizes, 1):
@@ -96,7 +100,7 @@ def measure(runners: dict[str, Runner], config: MoEConfig, sizes: list[int], bud
         if elapsed > 1.0:
             log.info("moe-dispatch: tuning %s: bucket %d/%d (T=%d), %.1f s so far",
                      config.describe(), n, len(sizes), tokens, elapsed)
-        timings[tokens] = _time_bucket(runners, sorted(runners), config, tokens, reps)
+        timings[tokens] = _time_bucket(runners, sorted(runners), config, tokens, reps, flush)
         table[tokens] = pick_winner(timings[tokens], default)
     return table, timings
 
@@ -106,6 +110,7 @@ def measure_adaptive(runners: dict[str, Runner], config: MoEConfig, sizes: list[
     """policy="auto": probe, bisect where winners differ, drop clear losers, within the
     budget (the module docstring has the rules)."""
     start = time.perf_counter()
+    flush = CacheFlush()
     n = len(sizes)
     timings: dict[int, dict[str, float]] = {}  # by bucket index while measuring
     alive_after: dict[int, list[str]] = {}
@@ -126,7 +131,7 @@ def measure_adaptive(runners: dict[str, Runner], config: MoEConfig, sizes: list[
         if elapsed > 1.0:
             log.info("moe-dispatch: tuning %s: T=%d, %.1f s so far", config.describe(),
                      sizes[i], elapsed)
-        med = _time_bucket(runners, names, config, sizes[i], reps)
+        med = _time_bucket(runners, names, config, sizes[i], reps, flush)
         timings[i] = med
         best = min(med.values())
         over_after[i] = {m for m in names if med[m] > best * DROP_FACTOR}

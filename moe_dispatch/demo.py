@@ -60,9 +60,20 @@ def _run(config: md.MoEConfig, tokens: int) -> float:
     h = config.hidden_size
     t0 = time.perf_counter()
     layer = md.MoELayer(config).load_weights(w13, w2).prepare()
-    print(f"\nprepared on backend {layer.backend!r} in {time.perf_counter() - t0:.2f} s "
-          "(load-time packing and self-check included)")
-    x = torch.randn(tokens, h, generator=g).to(config.dtype)
+    print(f"\nprepared in {time.perf_counter() - t0:.2f} s (packing, self-checks and, under the "
+          f"default policy={layer.policy!r}, the routing per token count measured or read from "
+          "the tuning cache)")
+    print(f"\n== explain (layer stage): {config.describe()}")
+    print(layer.explain())
+    worst = 0.0
+    for t in sorted({1, tokens}):
+        worst = max(worst, _forward(layer, config, weights, t, g))
+    return worst
+
+
+def _forward(layer: md.MoELayer, config: md.MoEConfig, weights: dict, tokens: int,
+             g: torch.Generator) -> float:
+    x = torch.randn(tokens, config.hidden_size, generator=g).to(config.dtype)
     topk_weights, topk_ids = md.select_experts(torch.randn(tokens, config.num_experts, generator=g),
                                                config.top_k)
     layer(x, topk_weights, topk_ids)  # first call
@@ -71,13 +82,14 @@ def _run(config: md.MoEConfig, tokens: int) -> float:
         t0 = time.perf_counter()
         out = layer(x, topk_weights, topk_ids)
         times.append(time.perf_counter() - t0)
-    ref = moe_reference(config, x, w13, w2, topk_weights, topk_ids)
+    ref = moe_reference(config, x, weights["w13"], weights["w2"], topk_weights, topk_ids)
     err = float((out.double() - ref).norm() / ref.norm())
     tol = 1e-2 if config.dtype == torch.bfloat16 else 1e-5
     times.sort()
-    entry = " (through its native entry)" if layer.uses_native_entry else ""
-    print(f"forward of {tokens} tokens on {layer.backend!r}{entry}: output {tuple(out.shape)} "
-          f"{out.dtype}, median {times[2] * 1e3:.2f} ms over 5 calls")
+    plan = layer.plan
+    route = plan.route_for(tokens).name if plan is not None else layer.backend
+    print(f"\nforward of {tokens} token(s) on {route!r}: output {tuple(out.shape)} {out.dtype}, "
+          f"median {times[2] * 1e3:.2f} ms over 5 calls")
     print(f"relative error against the float64 reference: {err:.2e} "
           f"({'OK' if err < tol else 'TOO LARGE'}; tolerance {tol:g})")
     print(f"first row, first 6 values: {[round(v, 4) for v in out[0, :6].float().tolist()]}")

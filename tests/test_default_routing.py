@@ -199,3 +199,19 @@ def test_each_bucket_runs_its_route_native_entry(default_policy):
         x, tw, ids = random_routing(CFG, 2, seed=3)
         layer.run(x, tw, ids, native=False)  # the Python path: no entry
         assert (small.entry_calls, large.entry_calls) == (counts[0] + 1, counts[1] + 1)
+
+
+def test_the_demo_shows_the_default_routing(tmp_path):
+    """The README's first command: a fresh process, the user's environment (no policy set)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MOE_DISPATCH_POLICY"}
+    env["MOE_DISPATCH_TUNING_CACHE"] = str(tmp_path / "tuning.json")
+    out = subprocess.run([sys.executable, "-m", "moe_dispatch.demo", "--small", "--tokens", "8"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "policy='auto'" in out.stdout and "== explain (layer stage)" in out.stdout
+    assert "routed per token count" in out.stdout
+    assert out.stdout.count("(OK; tolerance") == 4  # bf16 and fp32, at T=1 and T=8
