@@ -3,7 +3,8 @@
 Runs anywhere torch runs, accepts every valid config, and is the last resort in the
 priority order. It reads the caller's canonical tensors directly (no copy, no prepack),
 so it costs no memory and is always a safe fallback. The kernel is the toolkit's
-``moe_dispatch.kernels.expert_loop``.
+``moe_dispatch.kernels.expert_loop``; for quantized weights (int8, int4: every scheme),
+``quantized_expert_loop``, which dequantizes each active expert as it runs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.kernels import expert_loop
+from moe_dispatch.kernels import expert_loop, quantized_expert_loop
 
 NAME = "torch"
 PRIORITY = 0
@@ -30,6 +31,8 @@ class TorchLoopBackend(md.BackendBase):
 
     def apply(self, state: md.LayerWeights, hidden_states: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if state.quantized is not None:
+            return quantized_expert_loop(state, hidden_states, topk_weights, topk_ids)
         return expert_loop(state, hidden_states, topk_weights, topk_ids)
 
 
@@ -37,4 +40,4 @@ class TorchLoopBackend(md.BackendBase):
 def moe_dispatch_backends() -> list[md.BackendSpec]:
     return [md.BackendSpec(NAME, PRIORITY, TorchLoopBackend(),
                            description="per-expert PyTorch loop (portable reference path)",
-                           version=torch.__version__)]
+                           version=torch.__version__, weights=("float", "int8", "int4"))]

@@ -18,6 +18,7 @@ from ._compile import moe_experts
 from ._expert_parallel import ExpertParallelLayer
 from ._layer import MoELayer
 from ._plan import Demotion, ExecutionPlan, Route
+from ._quant import QuantizedExperts, QuantizedTensor, QuantScheme, quantize_experts
 from ._registry import PluginFailure, Registry, get_registry, use_registry
 from ._resolution import Candidate, Resolution, Status
 from ._resolver import call_check, clear_cache, explain, resolve
@@ -59,8 +60,9 @@ __all__ = [
     "Capabilities", "Decision", "Demotion", "ENTRY_POINT_GROUP", "ExecutionPlan",
     "ExpertParallelLayer", "FastGuard", "InvalidArgumentError", "InvalidTypeError", "KernelError",
     "LayerStateError", "LayerWeights", "MoEConfig", "MoEDispatchError", "MoELayer",
-    "NoBackendError", "PluginError", "PluginFailure", "Registry", "Resolution", "Route", "Status",
+    "NoBackendError", "PluginError", "PluginFailure", "QuantScheme", "QuantizedExperts",
+    "QuantizedTensor", "Registry", "Resolution", "Route", "Status",
     "UnknownBackendError", "WeightsModifiedError", "accept", "available_backends", "call_check",
     "clear_cache", "explain", "hookimpl", "hookspec", "kernels", "moe_experts", "plugin_failures",
-    "register", "reject", "reload_plugins", "resolve", "select_experts", "unregister", "use_registry",
+    "quantize_experts", "register", "reject", "reload_plugins", "resolve", "select_experts", "unregister", "use_registry",
 ]

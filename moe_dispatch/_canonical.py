@@ -16,6 +16,7 @@ import torch
 
 from ._config import MoEConfig
 from ._errors import WeightsModifiedError
+from ._quant import QuantizedExperts
 from ._spec import LayerWeights
 
 
@@ -30,19 +31,29 @@ class CanonicalWeights:
     refs: tuple[Callable[[], torch.Tensor | None], ...]
     versions: tuple[int, ...]
     strong: bool
+    # Quantized weights: the QuantizedExperts itself (strong or weak like the tensors).
+    quantized: Callable[[], QuantizedExperts | None] | None = None
 
     @classmethod
     def hold(cls, weights: LayerWeights, *, strong: bool) -> "CanonicalWeights":
         named = weights.tensors()
         ref = _strong if strong else weakref.ref
+        q = weights.quantized
         return cls(weights.config, tuple(n for n, _ in named), tuple(ref(t) for _, t in named),
-                   tuple(t._version for _, t in named), strong)
+                   tuple(t._version for _, t in named), strong,
+                   None if q is None else (lambda: q) if strong else weakref.ref(q))
 
     def get(self) -> LayerWeights | None:
         """The weights, or None once the caller has released any of them (weak only)."""
         tensors = {n: ref() for n, ref in zip(self.names, self.refs)}
         if any(t is None for t in tensors.values()):
             return None
+        if self.quantized is not None:
+            q = self.quantized()
+            if q is None:
+                return None
+            return LayerWeights(self.config, q.w13.qweight, q.w2.qweight, q.w13_bias, q.w2_bias,
+                                quantized=q)
         return LayerWeights(self.config, **tensors)  # type: ignore[arg-type]
 
     def tensors(self) -> tuple[torch.Tensor, ...]:

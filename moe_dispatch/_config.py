@@ -9,6 +9,7 @@ import attrs
 import torch
 
 from ._errors import InvalidArgumentError, InvalidTypeError
+from ._quant import QuantScheme
 
 
 class Activation(str, enum.Enum):
@@ -106,6 +107,9 @@ class MoEConfig:
     ep_size: int = attrs.field(default=1, validator=_positive_int)
     ep_rank: int = attrs.field(default=0)
     placement: str = attrs.field(default="contiguous")
+    # Quantized expert weights (docs/quantization.md); None: float weights of ``dtype``.
+    # ``dtype`` stays the activations' (and biases') dtype either way.
+    weight_scheme: QuantScheme | None = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.ep_rank, int) or isinstance(self.ep_rank, bool) or not (
@@ -119,11 +123,26 @@ class MoEConfig:
         if self.top_k > self.num_experts:
             raise InvalidArgumentError(
                 "top_k", self.top_k, f"1 <= top_k <= num_experts ({self.num_experts})")
+        scheme = self.weight_scheme
+        if scheme is not None:
+            if not isinstance(scheme, QuantScheme):
+                raise InvalidTypeError("weight_scheme", scheme, "a moe_dispatch.QuantScheme or None")
+            g = scheme.group_size
+            if g is not None and (self.hidden_size % g or self.intermediate_size % g):
+                raise InvalidArgumentError(
+                    "weight_scheme", scheme.describe(), f"a group size that divides hidden_size="
+                    f"{self.hidden_size} and intermediate_size={self.intermediate_size} (the "
+                    "groups run along each projection's input)")
         if self.apply_router_weight_on_input and self.top_k != 1:
             raise InvalidArgumentError(
                 "apply_router_weight_on_input", True,
                 f"False when top_k > 1 (top_k={self.top_k}): scaling the input by one "
                 "router weight is only defined for top_k == 1")
+
+    @property
+    def weight_format(self) -> str:
+        """"float", or the scheme's kind ("int8", "int4"): what ``BackendSpec.weights`` lists."""
+        return "float" if self.weight_scheme is None else self.weight_scheme.kind
 
     # -- expert parallelism ------------------------------------------------------------
     @property
@@ -153,7 +172,8 @@ class MoEConfig:
         """What this rank computes: its experts, one (token, slot) pair per row (top_k=1)."""
         return MoEConfig(self.num_local_experts, 1, self.hidden_size, self.intermediate_size,
                          activation=self.activation, dtype=self.dtype, has_bias=self.has_bias,
-                         apply_router_weight_on_input=self.apply_router_weight_on_input)
+                         apply_router_weight_on_input=self.apply_router_weight_on_input,
+                         weight_scheme=self.weight_scheme)
 
     # Shapes of the canonical weight layout (nn.Linear row-major); local experts only.
     @property
@@ -175,6 +195,8 @@ class MoEConfig:
     def describe(self) -> str:
         """A one-line summary used in logs and explanations."""
         flags = []
+        if self.weight_scheme is not None:
+            flags.append(f"{self.weight_scheme.describe()} weights")
         if self.has_bias:
             flags.append("bias")
         if self.apply_router_weight_on_input:

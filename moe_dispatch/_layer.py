@@ -23,7 +23,8 @@ from ._explain import explain_layer
 from ._errors import (InvalidArgumentError, InvalidTypeError, KernelError, LayerStateError,
                       MoEDispatchError)
 from ._options import LayerOptions
-from ._plan import Demotion, ExecutionPlan, bucket_index
+from ._plan import Demotion, ExecutionPlan
+from ._quant import QuantizedExperts
 from ._planner import build_plan
 from ._resolution import Resolution
 from ._resolver import resolve
@@ -51,13 +52,11 @@ class MoELayer(torch.nn.Module):
     ``keep_canonical=False``: only weak references to the caller's tensors are kept after
     ``prepare()`` (less memory; a failing kernel falls back only while the caller still
     holds them, else it raises :class:`KernelError`).
-    ``policy`` (env ``MOE_DISPATCH_POLICY``): ``"auto"`` (the default) routes each token
-    count to the backend measured fastest for it on this machine: the first ``prepare()``
-    of a shape probes a few token buckets (at most ``max_candidates``, default 3, within
-    ``tune_budget_s``, default 20 s) and the table persists in ``tuning_cache``;
-    ``"fastest"`` measures every bucket (up to ``tune_max_tokens``) with every accepting
-    backend (default budget 60 s); ``"priority"`` runs the resolver's choice, exactly, at
-    every token count (docs/tuning.md).
+    ``policy`` (env ``MOE_DISPATCH_POLICY``): ``"auto"`` (default) routes each token count
+    to the backend measured fastest for it (a few buckets timed at the first ``prepare()``
+    of a shape, bounded by ``max_candidates`` and ``tune_budget_s``, cached in
+    ``tuning_cache``); ``"fastest"`` times every bucket up to ``tune_max_tokens``;
+    ``"priority"`` runs the resolver's choice at every token count (docs/tuning.md).
     Expert parallelism has its own layer, :class:`~moe_dispatch.ExpertParallelLayer`.
     """
 
@@ -88,10 +87,11 @@ class MoELayer(torch.nn.Module):
         self._handle = register_layer(self)
 
     # -- loading and preparing -------------------------------------------------------
-    def load_weights(self, w13: torch.Tensor, w2: torch.Tensor,
+    def load_weights(self, w13: "torch.Tensor | QuantizedExperts", w2: torch.Tensor | None = None,
                      w13_bias: torch.Tensor | None = None,
                      w2_bias: torch.Tensor | None = None) -> "MoELayer":
-        """Store the canonical weights (by reference; never modified).
+        """Store the canonical weights (by reference; never modified): float tensors, or for
+        a quantized config one :class:`~moe_dispatch.QuantizedExperts`.
 
         Loading again replaces the weights and drops the plan: call ``prepare()`` again.
         """
@@ -214,14 +214,8 @@ class MoELayer(torch.nn.Module):
         the route for this token count when it has one (it declines, with None, anything it
         cannot prove plain), else, or with ``native=False``, the checked Python path."""
         plan = self._plan
-        natives = plan.natives if native and plan is not None else None
-        if natives is not None:
-            if len(natives) == 1:
-                pair = natives[0]
-            elif type(hidden_states) is _Tensor and hidden_states.ndim == 2:
-                pair = natives[bucket_index(hidden_states.shape[0], len(natives))]
-            else:
-                pair = None
+        if native and plan is not None and plan.natives is not None:
+            pair = plan.native_for(hidden_states)
             if pair is not None:
                 try:
                     out = pair[0](hidden_states, topk_weights, topk_ids)

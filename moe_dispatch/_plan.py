@@ -85,6 +85,18 @@ class ExecutionPlan:
             return None
         return natives[0][0]
 
+    def native_for(self, hidden_states: Any) -> tuple[NativeEntry, Route] | None:
+        """The native entry (and its route) of the bucket of this call's token count, or
+        None (no entry there, or not a 2-D tensor: the Python path decides)."""
+        natives = self.natives
+        if natives is None:
+            return None
+        if len(natives) == 1:
+            return natives[0]
+        if type(hidden_states) is torch.Tensor and hidden_states.ndim == 2:
+            return natives[bucket_index(hidden_states.shape[0], len(natives))]
+        return None
+
     def route_for(self, tokens: int) -> Route:
         table = self.table
         return self.route if table is None else table[bucket_index(tokens, len(table))]

@@ -185,6 +185,10 @@ def _resolve(config: MoEConfig, caps: Capabilities, forced: str | None, by_arg: 
         if rec.name in by_arg or rec.name in by_env:
             why = "exclude= argument" if rec.name in by_arg else "MOE_DISPATCH_DISABLE"
             decisions.append((rec, reject(f"excluded by {why}"), True))
+        elif config.weight_format not in rec.spec.weights:
+            decisions.append((rec, reject(
+                f"runs {'/'.join(rec.spec.weights)} weights; this config has "
+                f"{config.weight_scheme.describe()} weights"), False))  # type: ignore[union-attr]
         else:
             decisions.append((rec, call_check(rec, "supports_config", config, caps), False))
     if forced is not None:

@@ -18,6 +18,7 @@ from ._decision import Decision, accept
 if TYPE_CHECKING:
     from ._capabilities import Capabilities
     from ._config import MoEConfig
+    from ._quant import QuantizedExperts
 
 PROJECT = "moe_dispatch"
 ENTRY_POINT_GROUP = "moe_dispatch.backends"
@@ -37,7 +38,11 @@ def normalize_name(name: str) -> str:
 class LayerWeights:
     """The canonical weights of one layer, as the caller loaded them (never modified).
 
-    ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``w13_bias [E, 2I]``, ``w2_bias [E, H]``.
+    ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``w13_bias [E, 2I]``, ``w2_bias [E, H]``. For a
+    quantized config (``config.weight_scheme``), ``quantized`` holds the
+    :class:`~moe_dispatch.QuantizedExperts` and ``w13`` / ``w2`` are their packed values
+    (``quantized.w13.qweight``...): only backends that declare the format
+    (``BackendSpec.weights``) are ever given them.
     """
 
     config: "MoEConfig"
@@ -45,10 +50,16 @@ class LayerWeights:
     w2: torch.Tensor
     w13_bias: torch.Tensor | None = None
     w2_bias: torch.Tensor | None = None
+    quantized: "QuantizedExperts | None" = None
 
     def tensors(self) -> tuple[tuple[str, torch.Tensor], ...]:
-        named = [("w13", self.w13), ("w2", self.w2), ("w13_bias", self.w13_bias),
-                 ("w2_bias", self.w2_bias)]
+        q = self.quantized
+        if q is None:
+            named = [("w13", self.w13), ("w2", self.w2)]
+        else:
+            named = [(f"{p}.{f}", getattr(getattr(q, p), f)) for p in ("w13", "w2")
+                     for f in ("qweight", "scales", "zeros")]
+        named += [("w13_bias", self.w13_bias), ("w2_bias", self.w2_bias)]
         return tuple((n, t) for n, t in named if t is not None)
 
 
@@ -142,6 +153,16 @@ def _names_converter(value: Any) -> tuple[str, ...]:
     return tuple(sorted({str(v) for v in value}))
 
 
+WEIGHT_FORMATS = ("float", "int8", "int4")
+
+
+def _check_weights(instance: Any, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+    unknown = [v for v in value if v not in WEIGHT_FORMATS]
+    if unknown or not value:
+        raise ValueError(f"BackendSpec.weights={list(value)}: expected a non-empty subset of "
+                          f"{list(WEIGHT_FORMATS)}")
+
+
 def _check_backend(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     missing = [m for m in _REQUIRED_METHODS if not callable(getattr(value, m, None))]
     if missing:
@@ -170,6 +191,11 @@ class BackendSpec:
     the inputs only when ``apply`` raises, so that a bad id is still reported as the
     caller's :class:`InvalidArgumentError` and does not demote the backend. Leave it False
     unless a test proves it (negative ids index from the end in PyTorch: silently wrong).
+
+    ``weights``: the weight formats the backend runs, of ``WEIGHT_FORMATS``: "float"
+    (the default), "int8", "int4" (``MoEConfig.weight_scheme``). The resolver rejects a
+    backend for a format it does not declare, before its gate is asked; a backend that runs
+    only some schemes of a format rejects the others in ``supports_config``.
     """
 
     name: str = attrs.field(converter=_normalize, validator=_check_name)
@@ -182,6 +208,8 @@ class BackendSpec:
     ops: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_ops_converter,
                                                    kw_only=True)
     env_vars: tuple[str, ...] = attrs.field(default=(), converter=_names_converter, kw_only=True)
+    weights: tuple[str, ...] = attrs.field(default=("float",), converter=_names_converter,
+                                           validator=_check_weights, kw_only=True)
 
 
 @attrs.frozen(slots=True)

@@ -6,6 +6,7 @@ import torch
 
 from ._config import MoEConfig, dtype_name
 from ._errors import InvalidArgumentError, InvalidTypeError
+from ._quant import QuantizedExperts
 from ._spec import LayerWeights
 from .kernels._ids import id_range
 
@@ -26,8 +27,42 @@ def check_tensor(name: str, value: object, shape: tuple[int, ...], dtype: torch.
 
 def check_weights(config: MoEConfig, w13: object, w2: object, w13_bias: object,
                   w2_bias: object) -> LayerWeights:
+    """The caller's weights: float tensors for a float config, one QuantizedExperts (given
+    as ``w13``) for a quantized one."""
+    scheme = config.weight_scheme
+    if isinstance(w13, QuantizedExperts):
+        if scheme is None:
+            raise InvalidTypeError("w13", w13, f"float tensors of dtype {config.dtype}: the config "
+                                   "has float weights (weight_scheme=None)")
+        if w2 is not None or w13_bias is not None or w2_bias is not None:
+            raise InvalidArgumentError("w2", "a second argument", "nothing besides the "
+                                       "QuantizedExperts (its biases travel with it)")
+        return _check_quantized(config, w13)
+    if scheme is not None:
+        raise InvalidTypeError("w13", w13, f"a moe_dispatch.QuantizedExperts ({scheme.describe()}): "
+                               "the config has quantized weights; md.quantize_experts() makes one")
     check_tensor("w13", w13, config.w13_shape, config.dtype)
     check_tensor("w2", w2, config.w2_shape, config.dtype)
+    _check_biases(config, w13_bias, w2_bias)
+    return LayerWeights(config, w13, w2, w13_bias, w2_bias)  # type: ignore[arg-type]
+
+
+def _check_quantized(config: MoEConfig, q: QuantizedExperts) -> LayerWeights:
+    if q.scheme != config.weight_scheme:
+        raise InvalidArgumentError("w13.scheme", q.scheme.describe(),
+                                   f"the config's weight_scheme ({config.weight_scheme.describe()})")  # type: ignore[union-attr]
+    for name, t, shape in (("w13", q.w13, config.w13_shape), ("w2", q.w2, config.w2_shape)):
+        if tuple(t.shape) != tuple(shape):
+            raise InvalidArgumentError(f"{name}.shape", list(t.shape), f"{list(shape)}")
+        for field in ("qweight", "scales", "zeros"):
+            part = getattr(t, field)
+            if part is not None and part.device.type != "cpu":
+                raise InvalidArgumentError(f"{name}.{field}", part, "a CPU tensor")
+    _check_biases(config, q.w13_bias, q.w2_bias)
+    return LayerWeights(config, q.w13.qweight, q.w2.qweight, q.w13_bias, q.w2_bias, quantized=q)
+
+
+def _check_biases(config: MoEConfig, w13_bias: object, w2_bias: object) -> None:
     for name, bias, shape in (("w13_bias", w13_bias, config.w13_bias_shape),
                               ("w2_bias", w2_bias, config.w2_bias_shape)):
         if config.has_bias:
@@ -38,7 +73,6 @@ def check_weights(config: MoEConfig, w13: object, w2: object, w13_bias: object,
         elif bias is not None:
             raise InvalidArgumentError(name, bias, "None: the config has has_bias=False "
                                        "(build the config with has_bias=True to use biases)")
-    return LayerWeights(config, w13, w2, w13_bias, w2_bias)  # type: ignore[arg-type]
 
 
 def check_forward(config: MoEConfig, hidden_states: object, topk_weights: object,

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ._config import PLACEMENTS, SUPPORTED_DTYPES, Activation, MoEConfig
 from ._errors import MoEDispatchError
+from ._quant import KINDS
 from ._expert_parallel import ExpertParallelLayer
 
 
@@ -40,13 +41,23 @@ def _agree(error: BaseException | None, group: Any, what: str) -> None:
 
 def config_fields(config: MoEConfig) -> dict[str, int]:
     """Every field that changes the math, as integers (ranks compare these): shapes, the
-    activation, the dtype, biases, where the router weight goes, the placement."""
+    activation, the dtype, biases, where the router weight goes, the placement, the weight
+    scheme."""
     return dict(num_experts=config.num_experts, top_k=config.top_k,
                 hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                 ep_size=config.ep_size, activation=list(Activation).index(config.activation),
                 dtype=SUPPORTED_DTYPES.index(config.dtype), has_bias=int(config.has_bias),
                 apply_router_weight_on_input=int(config.apply_router_weight_on_input),
-                placement=PLACEMENTS.index(config.placement))
+                placement=PLACEMENTS.index(config.placement),
+                weight_scheme=_scheme_code(config))
+
+
+def _scheme_code(config: MoEConfig) -> int:
+    """0 for float weights, else kind, group size and symmetry in one integer."""
+    s = config.weight_scheme
+    if s is None:
+        return 0
+    return (1 + KINDS.index(s.kind)) * 1_000_000 + (s.group_size or 0) * 10 + int(s.symmetric)
 
 
 def _check_consistent(config: MoEConfig, group: Any) -> None:

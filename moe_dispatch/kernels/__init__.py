@@ -21,14 +21,14 @@ from .._config import dtype_name
 from ._activations import gated_activation
 from ._grouping import ExpertFn, ExpertOrder, combine, grouped_by_expert, scale_rows, sort_by_expert
 from ._ids import SMALL_IDS, has_duplicate_in_row, id_range, ids_in_range
-from ._loop import expert_loop
+from ._loop import expert_loop, quantized_expert_loop
 from ._native import NativeExtension, cache_dir
 from ._schema import Argument, op_problem, schema_arguments, schema_problem
 from ._weights import owned_copy, stamp_matches, version_of, version_stamp
 
 __all__ = [
     "Argument", "ExpertFn", "ExpertOrder", "NativeExtension", "SMALL_IDS", "cache_dir", "combine",
-    "dtype_name", "expert_loop", "gated_activation", "grouped_by_expert", "has_duplicate_in_row",
+    "dtype_name", "expert_loop", "gated_activation", "grouped_by_expert", "has_duplicate_in_row", "quantized_expert_loop",
     "id_range", "ids_in_range", "op_problem", "owned_copy", "scale_rows", "schema_arguments", "schema_problem",
     "sort_by_expert", "stamp_matches", "version_of", "version_stamp",
 ]

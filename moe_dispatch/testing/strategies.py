@@ -250,3 +250,33 @@ def routing(draw: st.DrawFn, config: md.MoEConfig, max_tokens: int = 40, min_tok
         logits, config.top_k, scoring=scoring, renormalize=draw(st.booleans()),
         routed_scaling_factor=draw(st.sampled_from((1.0, 2.5))), **kwargs)
     return x, tw, ids
+
+
+# -- quantized weights -----------------------------------------------------------------------
+def quant_schemes() -> st.SearchStrategy[md.QuantScheme]:
+    """Every valid scheme: int8 per channel or g32; int4 g32/64/128, symmetric or not."""
+    int8 = st.sampled_from([None, 32]).map(lambda g: md.QuantScheme("int8", group_size=g))
+    int4 = st.builds(lambda g, sym: md.QuantScheme("int4", group_size=g, symmetric=sym),
+                     st.sampled_from([32, 64, 128]), st.booleans())
+    return st.one_of(int8, int4)
+
+
+@st.composite
+def quantizable_experts(draw: st.DrawFn, scheme: md.QuantScheme, max_experts: int = 3,
+                        max_groups: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh random float32 ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` with H and I multiples
+    of the scheme's group (of 32 per channel), scaled by a drawn magnitude; sometimes a row
+    of zeros (a zero scale) and one large outlier."""
+    step = scheme.group_size or 32
+    e = draw(st.integers(1, max_experts))
+    h = step * draw(st.integers(1, max_groups))
+    i = step * draw(st.integers(1, max_groups))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    scale = draw(st.sampled_from([1e-3, 0.1, 1.0, 30.0]))
+    w13 = torch.randn(e, 2 * i, h, generator=g) * scale
+    w2 = torch.randn(e, h, i, generator=g) * scale
+    if draw(st.booleans()):
+        w13[0, 0] = 0.0
+    if draw(st.booleans()):
+        w2[-1, -1, 0] = 20 * scale
+    return w13, w2

@@ -1,0 +1,216 @@
+"""Quantized expert weights: the scheme, the packed tensors, round-to-nearest quantization.
+
+One layout for every scheme (docs/quantization.md has the exact math):
+
+- ``qweight``: int8 ``[E, N, K]`` for int8; for int4, uint8 ``[E, N, K // 2]`` with two
+  values per byte, element ``2j`` in the low nibble and ``2j + 1`` in the high one, each
+  stored as ``q + 8`` (symmetric, q in [-8, 7]) or as ``q`` (with zero points, q in [0, 15]);
+- ``scales``: ``[E, N, K // g]``, float32 per output channel (g = K), float16 per group (the
+  GGUF convention: Q8_0 and Q4_0 blocks carry an fp16 scale, so they map without loss);
+- ``zeros``: uint8 ``[E, N, K // g]`` for int4 with zero points, else None.
+
+The value a quantized element stands for is ``(q - zero) * float32(scale)``, zero = 0 when
+symmetric. K is the input dimension of each projection (H for ``w13``, I for ``w2``).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from ._errors import InvalidArgumentError, InvalidTypeError
+
+KINDS = ("int8", "int4")
+INT8_GROUPS = (None, 32)
+INT4_GROUPS = (32, 64, 128)
+
+
+def _check_group(inst: "QuantScheme", attribute: attrs.Attribute, value: int | None) -> None:
+    allowed = INT8_GROUPS if inst.kind == "int8" else INT4_GROUPS
+    if value not in allowed:
+        raise InvalidArgumentError("group_size", value, f"one of {allowed} for {inst.kind!r}")
+
+
+@attrs.frozen(slots=True)
+class QuantScheme:
+    """How expert weights are quantized: ``QuantScheme("int8")`` (per output channel),
+    ``QuantScheme("int8", group_size=32)``, ``QuantScheme("int4", group_size=128)``
+    (symmetric) or ``QuantScheme("int4", group_size=32, symmetric=False)`` (zero points)."""
+
+    kind: str = attrs.field()
+    group_size: int | None = attrs.field(default=attrs.Factory(
+        lambda self: None if self.kind == "int8" else 128, takes_self=True))
+    symmetric: bool = attrs.field(default=True)
+
+    @kind.validator
+    def _kind(self, attribute: attrs.Attribute, value: str) -> None:
+        if value not in KINDS:
+            raise InvalidArgumentError("kind", value, f"one of {KINDS}")
+
+    @group_size.validator
+    def _group(self, attribute: attrs.Attribute, value: int | None) -> None:
+        _check_group(self, attribute, value)
+
+    @symmetric.validator
+    def _symmetric(self, attribute: attrs.Attribute, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise InvalidTypeError("symmetric", value, "a bool")
+        if self.kind == "int8" and not value:
+            raise InvalidArgumentError("symmetric", value, "True for int8 (zero points are int4 only)")
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.kind == "int8" else 4
+
+    def groups(self, k: int) -> int:
+        """Scales per output channel for an input dimension of ``k``."""
+        return 1 if self.group_size is None else k // self.group_size
+
+    def check_dim(self, field: str, k: int) -> None:
+        """Raise unless this scheme can quantize rows of length ``k``."""
+        g = self.group_size
+        if g is not None and k % g:
+            raise InvalidArgumentError(f"{field} (the {self.kind} group_size={g})", k,
+                                       f"a multiple of {g}")
+        if self.bits == 4 and k % 2:
+            raise InvalidArgumentError(field, k, "an even size (two int4 values per byte)")
+
+    def describe(self) -> str:
+        group = "per channel" if self.group_size is None else f"g{self.group_size}"
+        return f"{self.kind} {group}" + ("" if self.symmetric else " zero points")
+
+
+@attrs.frozen(slots=True, eq=False)
+class QuantizedTensor:
+    """One projection's quantized weights, ``[E, N, K]`` in the module docstring's layout."""
+
+    scheme: QuantScheme
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    shape: tuple[int, int, int]
+
+    def __attrs_post_init__(self) -> None:
+        e, n, k = self.shape
+        s = self.scheme
+        qdtype, qk = (torch.int8, k) if s.bits == 8 else (torch.uint8, k // 2)
+        _expect("qweight", self.qweight, qdtype, (e, n, qk))
+        sdtype = torch.float32 if s.group_size is None else torch.float16
+        _expect("scales", self.scales, sdtype, (e, n, s.groups(k)))
+        if s.symmetric:
+            if self.zeros is not None:
+                raise InvalidArgumentError("zeros", "a tensor", f"None for symmetric {s.describe()}")
+        elif self.zeros is None:
+            raise InvalidArgumentError("zeros", None, f"a uint8 tensor for {s.describe()}")
+        else:
+            _expect("zeros", self.zeros, torch.uint8, (e, n, s.groups(k)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros)
+                   if t is not None)
+
+    def values(self, expert: int | None = None) -> torch.Tensor:
+        """The integer values q - zero, int16 ``[E, N, K]`` (``[N, K]`` for one expert)."""
+        e, n, k = self.shape
+        pick = (lambda t: t) if expert is None else (lambda t: t[expert])
+        shape = (e, n, k) if expert is None else (n, k)
+        if self.scheme.bits == 8:
+            q = pick(self.qweight).to(torch.int16)
+        else:
+            packed = pick(self.qweight).to(torch.int16)
+            q = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(shape)
+            q = q - 8 if self.scheme.symmetric else q
+        if self.zeros is not None:
+            zeros = pick(self.zeros).to(torch.int16)
+            q = q - zeros.repeat_interleave(k // zeros.shape[-1], dim=-1)
+        return q
+
+    def dequantize(self, expert: int | None = None) -> torch.Tensor:
+        """The float32 ``[E, N, K]`` these values stand for (``[N, K]`` for one expert)."""
+        k = self.shape[2]
+        scales = self.scales if expert is None else self.scales[expert]
+        scales = scales.to(torch.float32).repeat_interleave(k // scales.shape[-1], dim=-1)
+        return self.values(expert).to(torch.float32) * scales
+
+
+def _expect(field: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTypeError(field, t, "a torch.Tensor")
+    if t.dtype != dtype or tuple(t.shape) != shape:
+        raise InvalidArgumentError(field, f"{t.dtype} {list(t.shape)}", f"{dtype} {list(shape)}")
+
+
+def quantize(w: torch.Tensor, scheme: QuantScheme, field: str = "w") -> QuantizedTensor:
+    """Round-to-nearest (ties to even) quantization of a float ``[E, N, K]`` tensor."""
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 3:
+        raise InvalidArgumentError(field, type(w).__name__ if not isinstance(w, torch.Tensor)
+                                   else f"{w.dtype} {list(w.shape)}", "a float tensor [E, N, K]")
+    e, n, k = w.shape
+    scheme.check_dim(f"{field}.shape[2]", k)
+    g = k if scheme.group_size is None else scheme.group_size
+    x = w.detach().to(torch.float32).reshape(e, n, k // g, g)
+    zeros = None
+    if scheme.symmetric:
+        top = 127.0 if scheme.bits == 8 else 7.0
+        scale = x.abs().amax(dim=-1) / top
+    else:  # int4 with zero points: [min, max] onto [0, 15], 0.0 exactly representable
+        lo = x.amin(dim=-1).clamp(max=0.0)
+        hi = x.amax(dim=-1).clamp(min=0.0)
+        scale = (hi - lo) / 15.0
+    # The stored scale is the one the math uses: round it first (fp16 per group), then
+    # quantize against it, so that |w - dequantized| <= scale / 2 holds for the stored scale.
+    stored = scale.to(torch.float32 if scheme.group_size is None else torch.float16)
+    s = stored.to(torch.float32)
+    safe = torch.where(s == 0, torch.ones_like(s), s).unsqueeze(-1)
+    if scheme.symmetric:
+        lo_q, hi_q = (-127, 127) if scheme.bits == 8 else (-8, 7)
+        q = torch.round(x / safe).clamp(lo_q, hi_q)
+    else:
+        z = torch.round(-lo / torch.where(s == 0, torch.ones_like(s), s)).clamp(0, 15)
+        q = (torch.round(x / safe) + z.unsqueeze(-1)).clamp(0, 15)
+        zeros = z.to(torch.uint8)
+    q = q.reshape(e, n, k)
+    if scheme.bits == 8:
+        qweight = q.to(torch.int8)
+    else:
+        u = (q + 8 if scheme.symmetric else q).to(torch.uint8).reshape(e, n, k // 2, 2)
+        qweight = (u[..., 0] | (u[..., 1] << 4)).contiguous()
+    return QuantizedTensor(scheme, qweight, stored.contiguous(), zeros, (e, n, k))
+
+
+@attrs.frozen(slots=True, eq=False)
+class QuantizedExperts:
+    """A layer's experts, quantized: ``w13`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` in the
+    canonical layout, biases float (they are not quantized)."""
+
+    scheme: QuantScheme
+    w13: QuantizedTensor
+    w2: QuantizedTensor
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        biases = sum(b.numel() * b.element_size() for b in (self.w13_bias, self.w2_bias)
+                     if b is not None)
+        return self.w13.nbytes + self.w2.nbytes + biases
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 ``w13, w2`` the quantized values stand for."""
+        return self.w13.dequantize(), self.w2.dequantize()
+
+
+def quantize_experts(w13: torch.Tensor, w2: torch.Tensor, scheme: QuantScheme,
+                     w13_bias: torch.Tensor | None = None,
+                     w2_bias: torch.Tensor | None = None) -> QuantizedExperts:
+    """Quantize float experts (canonical layout) with ``scheme``; the inputs are only read."""
+    if not isinstance(scheme, QuantScheme):
+        raise InvalidTypeError("scheme", scheme, "a moe_dispatch.QuantScheme")
+    q13 = quantize(w13, scheme, "w13")
+    q2 = quantize(w2, scheme, "w2")
+    e, two_i, h = q13.shape
+    if q2.shape != (e, h, two_i // 2):
+        raise InvalidArgumentError("w2", list(q2.shape), f"[E, H, I] = {[e, h, two_i // 2]} "
+                                   f"for w13 {list(q13.shape)}")
+    return QuantizedExperts(scheme, q13, q2, w13_bias, w2_bias)
