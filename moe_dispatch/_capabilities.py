@@ -39,6 +39,7 @@ class Capabilities:
     avx2: bool = False
     avx512: bool = False  # avx512f
     avx512_bf16: bool = False
+    avx512_vnni: bool = False  # int8 dot products (vpdpbusd) on 512-bit registers
     avx512_fp16: bool = False
     amx_tile: bool = False
     amx_bf16: bool = False
@@ -77,8 +78,8 @@ class Capabilities:
 
     def fingerprint(self) -> str:
         """A short stable string naming this machine's relevant capabilities."""
-        flags = [f for f in ("avx2", "avx512", "avx512_bf16", "avx512_fp16", "amx_tile",
-                             "amx_bf16", "amx_fp16", "mkldnn") if getattr(self, f)]
+        flags = [f for f in ("avx2", "avx512", "avx512_bf16", "avx512_vnni", "avx512_fp16",
+                             "amx_tile", "amx_bf16", "amx_fp16", "mkldnn") if getattr(self, f)]
         zen = f"zen{self.zen_generation}" if self.zen_generation else "-"
         return (f"{self.cpu_vendor}/{zen}/{self.arch}/{'+'.join(flags) or 'none'}/"
                 f"torch{self.torch_version}")
@@ -219,6 +220,8 @@ def _detect() -> Capabilities:
         avx2=_torch_probe("_is_avx2_supported") or "avx2" in flags,
         avx512=_torch_probe("_is_avx512_supported"),
         avx512_bf16=_torch_probe("_is_avx512_bf16_supported"),
+        # torch has no VNNI probe: the cpuinfo flag, where the OS enables AVX-512 at all.
+        avx512_vnni=_torch_probe("_is_avx512_supported") and "avx512_vnni" in flags,
         avx512_fp16="avx512_fp16" in flags,
         amx_tile=_torch_probe("_is_amx_tile_supported"),
         amx_bf16="amx_bf16" in flags,
@@ -234,15 +237,16 @@ def _preset_table() -> dict[str, Capabilities]:
     sw: dict[str, Any] = dict(threads=2, torch_version=torch.__version__, mkldnn=True)
     spr = Capabilities(cpu_vendor="Intel", cpu_model="Intel(R) Xeon(R) Platinum 8480+",
                        arch="x86_64", cpu_family=6, cpu_model_id=0x8F, avx2=True, avx512=True,
-                       avx512_bf16=True, avx512_fp16=True, amx_tile=True, amx_bf16=True, **sw)
+                       avx512_bf16=True, avx512_vnni=True, avx512_fp16=True, amx_tile=True,
+                       amx_bf16=True, **sw)
     icx = Capabilities(cpu_vendor="Intel", cpu_model="Intel(R) Xeon(R) Platinum 8380",
                        arch="x86_64", cpu_family=6, cpu_model_id=0x6A, avx2=True, avx512=True,
-                       **sw)
+                       avx512_vnni=True, **sw)
     zen3 = Capabilities(cpu_vendor="AMD", cpu_model="AMD EPYC 7763", arch="x86_64",
                         cpu_family=0x19, cpu_model_id=0x01, zen_generation=3, avx2=True, **sw)
     zen4 = Capabilities(cpu_vendor="AMD", cpu_model="AMD EPYC 9654", arch="x86_64",
                         cpu_family=0x19, cpu_model_id=0x11, zen_generation=4, avx2=True,
-                        avx512=True, avx512_bf16=True, **sw)
+                        avx512=True, avx512_bf16=True, avx512_vnni=True, **sw)
     zen5 = zen4.evolve(cpu_model="AMD EPYC 9755", cpu_family=0x1A, cpu_model_id=0x02,
                        zen_generation=5)
     neoverse = Capabilities(cpu_vendor="ARM", cpu_model="Neoverse-V1", arch="aarch64", **sw)

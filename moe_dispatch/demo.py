@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     print("== this machine")
     print(f"cpu: {caps.cpu_vendor} {caps.cpu_model} (family {caps.cpu_family}, model "
           f"{caps.cpu_model_id}, Zen {caps.zen_generation or '-'}) arch {caps.arch}")
-    flags = [f for f in ("avx2", "avx512", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_fp16")
+    flags = [f for f in ("avx2", "avx512", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_fp16")
              if getattr(caps, f)]
     print(f"isa: {', '.join(flags) or 'none of avx2/avx512/amx'}; threads {caps.threads}")
     print(f"torch {caps.torch_version}")

@@ -133,6 +133,7 @@ def _quantized_layer(scheme, dtype=torch.bfloat16, activation="silu", bias=False
     b13 = (torch.randn(cfg.w13_bias_shape, generator=g) * 0.1).to(dtype) if bias else None
     b2 = (torch.randn(cfg.w2_bias_shape, generator=g) * 0.1).to(dtype) if bias else None
     qe = md.quantize_experts(w13, w2, scheme, b13, b2)
+    layer_kw.setdefault("backend", "torch")  # the portable path (zentorch's: its own tests)
     return cfg, qe, md.MoELayer(cfg, **layer_kw).load_weights(qe)
 
 
@@ -161,9 +162,9 @@ def test_only_backends_that_declare_the_format_are_asked():
     scheme = md.QuantScheme("int8")
     cfg = md.MoEConfig(8, 2, 64, 64, weight_scheme=scheme)
     res = md.resolve(cfg)
-    assert res.backend == "torch"
+    assert res.backend in ("zentorch", "torch")  # the two that declare int8
     for cand in res.candidates:
-        if cand.name != "torch":
+        if cand.name not in ("zentorch", "torch"):
             assert "runs float weights; this config has int8 per channel weights" in cand.reason
     class Any_(md.BackendBase):
         def supports_config(self, config, capabilities):

@@ -13,6 +13,7 @@ every trap unreachable, one module per concern:
   the single-active-expert refusal avoided; out-of-range ids make the op raise
   (``validates_ids``);
 - ``_selfcheck``: prepare() makes the first (packing) call and checks it;
+- ``_quant``: int8 / int4 weights (the op's scales arguments): its gate and layout;
 - ``native``: a C++ entry for plain calls (checks and the op under one mutex, GIL released),
   built on first use.
 """
@@ -25,7 +26,7 @@ from typing import Any, Mapping
 
 import moe_dispatch as md
 
-from . import _gate, _ledger, native
+from . import _gate, _ledger, _quant, native
 from ._calls import ZentorchState, dedupe_rows, run_op
 from ._selfcheck import warm_up_and_check
 
@@ -61,7 +62,10 @@ def _dist_version() -> str:
 
 class ZentorchBackend(md.BackendBase):
     def supports_config(self, config: md.MoEConfig, capabilities: md.Capabilities) -> md.Decision:
-        return _gate.supports_config(config, capabilities, library_status()[1])
+        decision = _gate.supports_config(config, capabilities, library_status()[1])
+        if decision.accepted and config.weight_scheme is not None:
+            return _quant.supports_config(config, capabilities, library_status()[1])
+        return decision
 
     def supports_layer(self, weights: md.LayerWeights, capabilities: md.Capabilities) -> md.Decision:
         return _gate.supports_layer(weights)
@@ -70,15 +74,22 @@ class ZentorchBackend(md.BackendBase):
         library_status()  # registers the op (a no-op after the first call)
         config = weights.config
         call = _ledger.op_caller()  # before the ledger lock: the first one may compile (~30 s)
+        q = weights.quantized
+        if q is not None:
+            w13, w2, s13, s2 = _quant.op_tensors(q)
+        else:
+            w13, w2, s13, s2 = weights.w13, weights.w2, None, None
         with _ledger.LEDGER_LOCK:
             for attempt in range(2):
-                own = _ledger.private_copy if attempt else _ledger.shared_or_copy
+                own = _ledger.private_copy if attempt or q is not None else _ledger.shared_or_copy
                 state = ZentorchState(
-                    config, own(weights.w13), own(weights.w2),
+                    config, own(w13), own(w2),
                     own(weights.w13_bias) if weights.w13_bias is not None else None,
                     own(weights.w2_bias) if weights.w2_bias is not None else None,
-                    config.activation.value, call)
-                _ledger.burn(state.w13, state.w2, state.w13_bias, state.w2_bias)
+                    config.activation.value, call,
+                    own(s13) if s13 is not None else None, own(s2) if s2 is not None else None)
+                _ledger.burn(state.w13, state.w2, state.w13_bias, state.w2_bias,
+                             state.w13_scales, state.w2_scales)
                 error = warm_up_and_check(state, weights)
                 if error is None:
                     return state
@@ -99,7 +110,8 @@ class ZentorchBackend(md.BackendBase):
         c = state.config
         return module.FastCall(state.w13, state.w2, state.w13_bias, state.w2_bias, state.act,
                                c.hidden_size, c.top_k, c.num_experts, c.dtype,
-                               list(guard.watched), list(guard.versions))
+                               list(guard.watched), list(guard.versions),
+                               state.w13_scales, state.w2_scales)
 
     def diagnostics(self) -> Mapping[str, str]:
         version, text = library_status()
@@ -119,4 +131,5 @@ def moe_dispatch_backends() -> list[md.BackendSpec]:
                            description="AMD zentorch fused MoE op (zentorch_fused_moe)",
                            version=version or _dist_version(), validates_ids=True,
                            ops={OP_NAME: EXPECTED_SCHEMA},
-                           env_vars=_gate.ENV_VARS + (native.ENV, native.DIR_ENV))]
+                           env_vars=_gate.ENV_VARS + (native.ENV, native.DIR_ENV),
+                           weights=("float", "int8", "int4"))]

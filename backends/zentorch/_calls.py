@@ -24,6 +24,9 @@ class ZentorchState:
     act: str
     # The serialised op call (op_caller), resolved once: lookups on torch.ops cost per call.
     call: Callable[..., None] = attrs.field(repr=False)
+    # Quantized weights: the scales in the op's layout (_quant); None for float weights.
+    w13_scales: torch.Tensor | None = None
+    w2_scales: torch.Tensor | None = None
     # top_k > 1 and the router weight applied after the experts: no call needs rewriting
     # for the op's single-active-expert refusal or for skip_weighted.
     plain: bool = attrs.field(init=False)
@@ -58,7 +61,7 @@ def run_op(state: ZentorchState, hidden_states: torch.Tensor, topk_weights: torc
         else:  # int32, float32, contiguous, no repeated id in a row, top_k > 1: as is
             out = torch.empty_like(hidden_states)
             state.call(out, hidden_states, state.w13, state.w2, state.w13_bias, state.w2_bias,
-                       topk_weights, topk_ids, False, state.act)
+                       topk_weights, topk_ids, False, state.act, state.w13_scales, state.w2_scales)
             return out
     return _run_op_general(state, hidden_states, topk_weights, topk_ids)
 
@@ -93,7 +96,7 @@ def _run_op_general(state: ZentorchState, hidden_states: torch.Tensor,
             weights = torch.cat([weights, weights.new_zeros(1, 1)])
     out = torch.empty_like(x)
     state.call(out, x, state.w13, state.w2, state.w13_bias, state.w2_bias, weights, ids, skip,
-               state.act)
+               state.act, state.w13_scales, state.w2_scales)
     return out if out.shape[0] == tokens else out[:tokens]
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.kernels import expert_loop
+from moe_dispatch.kernels import expert_loop, quantized_expert_loop
 
 from ._calls import ZentorchState, run_op
+from ._quant import ERROR_BOUND
 
 # Relative Frobenius error allowed against the float32 loop, by dtype.
 SELF_CHECK_TOL = {torch.bfloat16: 3e-2, torch.float32: 1e-4, torch.float16: 1e-2}
@@ -26,6 +27,11 @@ def warm_up_and_check(state: ZentorchState, weights: md.LayerWeights) -> float |
     x = torch.randn(tokens, config.hidden_size, generator=gen).to(config.dtype)
     tw = torch.rand(tokens, k, generator=gen) + 0.5
     got = run_op(state, x, tw, ids).to(torch.float64)
-    want = expert_loop(weights, x, tw, ids, float32=True).to(torch.float64)
+    if weights.quantized is not None:  # the dequantized weights, in float32
+        want = quantized_expert_loop(weights, x.float(), tw, ids).to(torch.float64)
+        tol = 2 * ERROR_BOUND  # the op quantizes its activations too (_quant)
+    else:
+        want = expert_loop(weights, x, tw, ids, float32=True).to(torch.float64)
+        tol = SELF_CHECK_TOL[config.dtype]
     err = float((got - want).norm() / want.norm().clamp_min(1e-30))
-    return None if err <= SELF_CHECK_TOL[config.dtype] else err
+    return None if err <= tol else err

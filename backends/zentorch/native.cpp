@@ -44,23 +44,24 @@ const c10::TypedOperatorHandle<OpSig>& op_handle() {
 
 // Serialised op call without the GIL (other Python threads run meanwhile; a thread waiting
 // here holds no GIL, so there is no lock-order cycle).
+// w13_scales / w2_scales: the quantized path's scales (None for float weights).
 void call_op_locked(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w13,
                     const at::Tensor& w2, const OptTensor& b13, const OptTensor& b2,
                     const at::Tensor& tw, const at::Tensor& ids, bool skip,
-                    const std::string& act) {
+                    const std::string& act, const OptTensor& s13, const OptTensor& s2) {
   py::gil_scoped_release no_gil;
   std::lock_guard<std::mutex> guard(op_mutex());
-  op_handle().call(out, x, w13, w2, b13, b2, tw, ids, skip, act, std::nullopt, std::nullopt,
-                   kOpName);
+  op_handle().call(out, x, w13, w2, b13, b2, tw, ids, skip, act, s13, s2, kOpName);
 }
 
 class FastCall {
  public:
   FastCall(at::Tensor w13, at::Tensor w2, OptTensor b13, OptTensor b2, std::string act,
            int64_t hidden, int64_t top_k, int64_t experts, at::ScalarType dtype,
-           std::vector<at::Tensor> watched, std::vector<int64_t> versions)
+           std::vector<at::Tensor> watched, std::vector<int64_t> versions, OptTensor s13,
+           OptTensor s2)
       : w13_(std::move(w13)), w2_(std::move(w2)), b13_(std::move(b13)), b2_(std::move(b2)),
-        act_(std::move(act)) {
+        s13_(std::move(s13)), s2_(std::move(s2)), act_(std::move(act)) {
     TORCH_CHECK(watched.size() == versions.size(), "one version per watched tensor");
     TORCH_CHECK(top_k > 1 && hidden > 0 && experts > 1, "FastCall: a plain config");
     spec_.hidden = hidden;
@@ -82,13 +83,13 @@ class FastCall {
     if (!call) return py::none();
     at::Tensor out = at::empty_like(*call->x);
     call_op_locked(out, *call->x, w13_, w2_, b13_, b2_, *call->topk_weights, *call->topk_ids,
-                   false, act_);
+                   false, act_, s13_, s2_);
     return moe_dispatch::wrap(std::move(out));
   }
 
  private:
   at::Tensor w13_, w2_;
-  OptTensor b13_, b2_;
+  OptTensor b13_, b2_, s13_, s2_;
   std::string act_;
   PlainSpec spec_;
 };
@@ -97,10 +98,18 @@ class FastCall {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "moe-dispatch: the zentorch backend's native decode path";
-  m.def("run_op", &call_op_locked, "The op under the process-wide op mutex, without the GIL.");
+  m.def("run_op", &call_op_locked, "The op under the process-wide op mutex, without the GIL.",
+        py::arg("out"), py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("w13_bias"),
+        py::arg("w2_bias"), py::arg("topk_weights"), py::arg("topk_ids"),
+        py::arg("skip_weighted"), py::arg("act"), py::arg("w13_scales") = py::none(),
+        py::arg("w2_scales") = py::none());
   py::class_<FastCall>(m, "FastCall")
       .def(py::init<at::Tensor, at::Tensor, OptTensor, OptTensor, std::string, int64_t,
                     int64_t, int64_t, at::ScalarType, std::vector<at::Tensor>,
-                    std::vector<int64_t>>())
+                    std::vector<int64_t>, OptTensor, OptTensor>(),
+           py::arg("w13"), py::arg("w2"), py::arg("w13_bias"), py::arg("w2_bias"),
+           py::arg("act"), py::arg("hidden"), py::arg("top_k"), py::arg("experts"),
+           py::arg("dtype"), py::arg("watched"), py::arg("versions"),
+           py::arg("w13_scales") = py::none(), py::arg("w2_scales") = py::none())
       .def("__call__", &FastCall::operator());
 }
