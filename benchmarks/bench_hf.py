@@ -58,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         mod = experts_module(cfg, dtype)
         cfg._experts_implementation = "moe_dispatch"
         t0 = time.perf_counter()
-        backend = mdhf.layer_for(mod).backend
-        print(f"\n{name}: moe_dispatch runs {backend!r} (built in {time.perf_counter() - t0:.1f} s)")
+        layer = mdhf.layer_for(mod)
+        table = layer.tuned_table or {}
+        print(f"\n{name}: moe_dispatch's layer (policy={layer.policy!r}) built in "
+              f"{time.perf_counter() - t0:.1f} s; routes: "
+              + (", ".join(f"T<={t}: {n}" for t, n in table.items()) or layer.backend))
         print(f"| T | {' | '.join(IMPLS)} | moe_dispatch speedup vs faster HF |")
         print("|" + " ---: |" * (len(IMPLS) + 2))
         def run(impl: str, cfg=cfg, mod=mod):

@@ -19,6 +19,7 @@ from ._expert_parallel import ExpertParallelLayer
 from ._layer import MoELayer
 from ._plan import Demotion, ExecutionPlan, Route
 from ._quant import QuantizedExperts, QuantizedTensor, QuantScheme, quantize_experts
+from ._gguf import experts_from_gguf
 from ._registry import PluginFailure, Registry, get_registry, use_registry
 from ._resolution import Candidate, Resolution, Status
 from ._resolver import call_check, clear_cache, explain, resolve
@@ -63,6 +64,6 @@ __all__ = [
     "NoBackendError", "PluginError", "PluginFailure", "QuantScheme", "QuantizedExperts",
     "QuantizedTensor", "Registry", "Resolution", "Route", "Status",
     "UnknownBackendError", "WeightsModifiedError", "accept", "available_backends", "call_check",
-    "clear_cache", "explain", "hookimpl", "hookspec", "kernels", "moe_experts", "plugin_failures",
+    "clear_cache", "experts_from_gguf", "explain", "hookimpl", "hookspec", "kernels", "moe_experts", "plugin_failures",
     "quantize_experts", "register", "reject", "reload_plugins", "resolve", "select_experts", "unregister", "use_registry",
 ]
