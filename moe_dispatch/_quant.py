@@ -126,12 +126,26 @@ class QuantizedTensor:
             q = q - zeros.repeat_interleave(k // zeros.shape[-1], dim=-1)
         return q
 
-    def dequantize(self, expert: int | None = None) -> torch.Tensor:
-        """The float32 ``[E, N, K]`` these values stand for (``[N, K]`` for one expert)."""
-        k = self.shape[2]
-        scales = self.scales if expert is None else self.scales[expert]
-        scales = scales.to(torch.float32).repeat_interleave(k // scales.shape[-1], dim=-1)
-        return self.values(expert).to(torch.float32) * scales
+    def dequantize(self, expert: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``[E, N, K]`` (``[N, K]`` for one expert) these values stand for: exact in
+        float32; in another ``dtype``, computed there (the scale rounded to it once, the
+        product once)."""
+        e, n, k = self.shape
+        pick = (lambda t: t) if expert is None else (lambda t: t[expert])
+        lead = (e, n) if expert is None else (n,)
+        if self.scheme.bits == 8:
+            q = pick(self.qweight).to(dtype)
+        else:
+            packed = pick(self.qweight)
+            q = torch.stack((packed & 0xF, packed >> 4), dim=-1).to(dtype)
+            q = q.reshape(*lead, k)
+        groups = self.scales.shape[-1]
+        q = q.reshape(*lead, groups, k // groups)
+        if self.zeros is not None:
+            q = q - pick(self.zeros).to(dtype).unsqueeze(-1)
+        elif self.scheme.bits == 4:
+            q = q - 8
+        return (q * pick(self.scales).to(dtype).unsqueeze(-1)).reshape(*lead, k)
 
 
 def _expect(field: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:

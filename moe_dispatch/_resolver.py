@@ -186,9 +186,10 @@ def _resolve(config: MoEConfig, caps: Capabilities, forced: str | None, by_arg: 
             why = "exclude= argument" if rec.name in by_arg else "MOE_DISPATCH_DISABLE"
             decisions.append((rec, reject(f"excluded by {why}"), True))
         elif config.weight_format not in rec.spec.weights:
+            scheme = config.weight_scheme
             decisions.append((rec, reject(
                 f"runs {'/'.join(rec.spec.weights)} weights; this config has "
-                f"{config.weight_scheme.describe()} weights"), False))  # type: ignore[union-attr]
+                f"{'float' if scheme is None else scheme.describe()} weights"), False))
         else:
             decisions.append((rec, call_check(rec, "supports_config", config, caps), False))
     if forced is not None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -21,10 +22,18 @@ print(json.dumps(dict(md=moe_dispatch.__file__, be=moe_dispatch_backends.__file_
 
 
 def test_wheel_contents_and_import(tmp_path):
+    # Built from a copy: setuptools writes moe_dispatch.egg-info next to the sources, and one
+    # left in the checkout shadows the installed metadata (entry points) for any process
+    # started there.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".venv*", ".git", "*.egg-info", "build", "dist", "__pycache__", ".hypothesis"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path / "dist"), str(ROOT)], check=True, timeout=600)
+                    "-w", str(tmp_path / "dist"), str(src)], check=True, timeout=600)
     wheel = next((tmp_path / "dist").glob("moe_dispatch-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
+    assert "moe_dispatch_backends/vllm_cpu/native.cpp" in names
+    assert "moe_dispatch/kernels/include/moe_dispatch_fast_call.h" in names
     assert "moe_dispatch_backends/zentorch/__init__.py" in names
     assert "moe_dispatch_backends/vllm_cpu/__init__.py" in names
     # the C++ source of the zentorch backend's decode entry, compiled on the user's machine

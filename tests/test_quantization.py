@@ -162,9 +162,10 @@ def test_only_backends_that_declare_the_format_are_asked():
     scheme = md.QuantScheme("int8")
     cfg = md.MoEConfig(8, 2, 64, 64, weight_scheme=scheme)
     res = md.resolve(cfg)
-    assert res.backend in ("zentorch", "torch")  # the two that declare int8
+    declared = ("zentorch", "torch_woq", "torch")  # the built-ins that declare int8
+    assert res.backend in declared
     for cand in res.candidates:
-        if cand.name not in ("zentorch", "torch"):
+        if cand.name not in declared:
             assert "runs float weights; this config has int8 per channel weights" in cand.reason
     class Any_(md.BackendBase):
         def supports_config(self, config, capabilities):
@@ -231,3 +232,31 @@ def test_a_quantized_layer_holds_only_the_quantized_bytes():
         bf16 = (cfg.w13_shape[0] * cfg.w13_shape[1] * cfg.w13_shape[2]
                 + cfg.w2_shape[0] * cfg.w2_shape[1] * cfg.w2_shape[2]) * 2
         assert qe.nbytes / bf16 <= target
+
+
+@pytest.mark.parametrize("scheme", [md.QuantScheme("int8"), md.QuantScheme("int4", group_size=32),
+                                    md.QuantScheme("int4", group_size=128, symmetric=False)],
+                         ids=lambda s: s.describe())
+def test_torchs_weight_only_kernels_match_the_reference(scheme):
+    """torch_woq: torch's int8/int4 matmuls per expert, bf16 activations (weight-only: the
+    bf16 tolerance), biases and repeated ids included."""
+    cfg, qe, layer = _quantized_layer(scheme, bias=True, backend="torch_woq", h=128, i=128)
+    layer.prepare()
+    for tokens in (1, 7, 40):
+        x, tw, ids = random_routing(cfg, tokens, seed=tokens)
+        ids[0, 1] = ids[0, 0]
+        assert rel_error(layer(x, tw, ids), _reference(cfg, qe, x, tw, ids)) <= TOLERANCE[torch.bfloat16]
+
+
+def test_torchs_weight_only_gate():
+    from moe_dispatch_backends.torch_woq import TorchWoqBackend
+    caps = md.Capabilities.detect()
+    d = TorchWoqBackend().supports_config(md.MoEConfig(8, 2, 64, 64, dtype=torch.float32,
+                                                       weight_scheme=md.QuantScheme("int8")), caps)
+    assert not d.accepted and "bfloat16 activations only" in d.reason
+    d = TorchWoqBackend().supports_config(md.MoEConfig(8, 2, 64, 64, weight_scheme=md.QuantScheme(
+        "int8", group_size=32)), caps)
+    assert not d.accepted and "per output channel only" in d.reason
+    res = md.resolve(md.MoEConfig(8, 2, 64, 64))  # float weights: it is not asked
+    cand = next(c for c in res.candidates if c.name == "torch_woq")
+    assert "runs int4/int8 weights; this config has float weights" in cand.reason

@@ -32,16 +32,16 @@ def expert_loop(weights: LayerWeights, x: torch.Tensor, topk_weights: torch.Tens
 def quantized_expert_loop(weights: LayerWeights, x: torch.Tensor, topk_weights: torch.Tensor,
                           topk_ids: torch.Tensor) -> torch.Tensor:
     """The portable kernel for quantized weights (``weights.quantized``): each active expert's
-    projections dequantized (float32, exact) and cast, with the biases, to the dtype of
-    ``x`` (float32 ``x``: a float32 reference), one ``F.linear`` pair. Holds no dequantized
-    copy between calls."""
+    projections dequantized in the dtype of ``x`` (exact for float32 ``x``: a float32
+    reference), the biases cast to it, one ``F.linear`` pair. Holds no dequantized copy
+    between calls."""
     config, q = weights.config, weights.quantized
     assert q is not None, "quantized_expert_loop needs LayerWeights.quantized"
     b13, b2, dtype = q.w13_bias, q.w2_bias, x.dtype
 
     def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
-        h = F.linear(xe, q.w13.dequantize(e).to(dtype), b13[e].to(dtype) if b13 is not None else None)
-        return F.linear(gated_activation(h, config.activation), q.w2.dequantize(e).to(dtype),
+        h = F.linear(xe, q.w13.dequantize(e, dtype), b13[e].to(dtype) if b13 is not None else None)
+        return F.linear(gated_activation(h, config.activation), q.w2.dequantize(e, dtype),
                         b2[e].to(dtype) if b2 is not None else None)
 
     return grouped_by_expert(config, x, topk_weights, topk_ids, expert)
