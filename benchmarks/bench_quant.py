@@ -29,21 +29,11 @@ from moe_dispatch._timing import time_rounds
 from moe_dispatch.testing import random_inputs
 
 from bench_backends import CONFIGS, raw_zentorch
+from bench_perf import ceilings
 
 SCHEMES = {"int8": md.QuantScheme("int8"), "int8g32": md.QuantScheme("int8", group_size=32),
            "int4g32": md.QuantScheme("int4", group_size=32),
            "int4g128": md.QuantScheme("int4", group_size=128)}
-
-
-def read_gbs() -> float:
-    big = torch.randn(256 * 1024 * 1024 // 4)
-    big.sum()
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        big.sum()
-        ts.append(time.perf_counter() - t0)
-    return big.numel() * 4 / statistics.median(ts) / 1e9
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schemes", default="int8,int4g128")
     p.add_argument("--reps", type=int, default=9)
     args = p.parse_args(argv)
-    dram = read_gbs()
+    dram = ceilings(torch.bfloat16)["read_gbs"]
     print(f"machine: {md.Capabilities.detect().fingerprint()}, {torch.get_num_threads()} threads; "
           f"1 GiB fp32 read {dram:.1f} GB/s")
     for cname in args.config:

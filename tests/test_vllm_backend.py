@@ -3,7 +3,6 @@ installed (x86_64 Linux: scripts/setup.sh installs it); the gate tests run every
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import TOLERANCE, assert_unchanged, random_routing, random_weights, reference, rel_error, snapshot
-from moe_dispatch.testing import machine
+from moe_dispatch.testing import machine, thread_disagreements
 from moe_dispatch.testing.strategies import call_variants
 
 from moe_dispatch_backends.vllm_cpu import FUSED_ARGS, VllmBackend, _library, native  # noqa: E402
@@ -106,21 +105,7 @@ def test_eight_threads_agree_with_the_serial_result():
     layer, _ = _layer(cfg)
     layer.prepare()
     inputs = [random_routing(cfg, t, seed=t) for t in (1, 3, 9, 17, 33)]
-    serial = [layer(*inp) for inp in inputs]
-    wrong: list[int] = []
-
-    def work(tid: int) -> None:
-        for i in range(50):
-            j = (i + tid) % len(inputs)
-            if not torch.equal(layer.run(*inputs[j], native=tid % 2 == 0), serial[j]):
-                wrong.append(j)
-
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=120)
-    assert wrong == []
+    assert thread_disagreements(layer, inputs, rounds=50) == []
 
 
 @needs_vllm

@@ -7,14 +7,12 @@ the bf16 weight-only tolerance."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 import moe_dispatch as md
 from moe_dispatch.reference import moe_reference
-from moe_dispatch.testing import machine, random_routing, rel_error
+from moe_dispatch.testing import machine, random_routing, rel_error, thread_disagreements
 
 from moe_dispatch_backends.zentorch import ZentorchBackend  # noqa: E402
 from moe_dispatch_backends.zentorch._quant import ERROR_BOUND  # noqa: E402
@@ -127,18 +125,4 @@ def test_repeated_ids_no_tokens_and_in_place_updates():
 def test_eight_threads_agree_with_the_serial_result():
     cfg, qe, layer = _layer(md.QuantScheme("int8"))
     inputs = [random_routing(cfg, t, seed=t) for t in (1, 3, 9, 17)]
-    serial = [layer(*inp) for inp in inputs]
-    wrong: list[int] = []
-
-    def work(tid: int) -> None:
-        for i in range(30):
-            j = (i + tid) % len(inputs)
-            if not torch.equal(layer.run(*inputs[j], native=tid % 2 == 0), serial[j]):
-                wrong.append(j)
-
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=120)
-    assert wrong == []
+    assert thread_disagreements(layer, inputs) == []

@@ -58,15 +58,8 @@ class FastCall {
            std::string isa, int64_t hidden, int64_t top_k, int64_t experts,
            at::ScalarType dtype, std::vector<at::Tensor> watched, std::vector<int64_t> versions)
       : w13_(std::move(w13)), w2_(std::move(w2)), b13_(std::move(b13)), b2_(std::move(b2)),
-        act_(std::move(act)), isa_(std::move(isa)) {
-    TORCH_CHECK(watched.size() == versions.size(), "one version per watched tensor");
-    TORCH_CHECK(top_k > 0 && hidden > 0 && experts > 0, "FastCall: a plain config");
-    spec_.hidden = hidden;
-    spec_.top_k = top_k;
-    spec_.experts = experts;
-    spec_.dtype = dtype;
-    spec_.watched = std::move(watched);
-    spec_.versions = std::move(versions);
+        act_(std::move(act)), isa_(std::move(isa)),
+        spec_(hidden, top_k, experts, dtype, std::move(watched), std::move(versions)) {
     op_handle();  // resolve now: a missing op fails here, at prepare(), not at a forward
   }
 

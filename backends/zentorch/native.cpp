@@ -61,18 +61,12 @@ class FastCall {
            std::vector<at::Tensor> watched, std::vector<int64_t> versions, OptTensor s13,
            OptTensor s2)
       : w13_(std::move(w13)), w2_(std::move(w2)), b13_(std::move(b13)), b2_(std::move(b2)),
-        s13_(std::move(s13)), s2_(std::move(s2)), act_(std::move(act)) {
-    TORCH_CHECK(watched.size() == versions.size(), "one version per watched tensor");
-    TORCH_CHECK(top_k > 1 && hidden > 0 && experts > 1, "FastCall: a plain config");
-    spec_.hidden = hidden;
-    spec_.top_k = top_k;
-    spec_.experts = experts;
-    spec_.dtype = dtype;
-    // The op silently returns wrong numbers for an id repeated in a row; it checks the
-    // range too, but its error is not the layer's typed one.
-    spec_.reject_repeated_ids = true;
-    spec_.watched = std::move(watched);
-    spec_.versions = std::move(versions);
+        s13_(std::move(s13)), s2_(std::move(s2)), act_(std::move(act)),
+        // The op silently returns wrong numbers for an id repeated in a row; it checks the
+        // range too, but its error is not the layer's typed one.
+        spec_(hidden, top_k, experts, dtype, std::move(watched), std::move(versions),
+              /*reject_repeated_ids=*/true) {
+    TORCH_CHECK(top_k > 1 && experts > 1, "FastCall: a plain config");
     op_handle();  // resolve now: a missing op fails here, at prepare(), not at a forward
   }
 

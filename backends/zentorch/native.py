@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from types import ModuleType
 
 from moe_dispatch.kernels import NativeExtension
 
@@ -27,25 +26,14 @@ def _register_op() -> None:
 
 
 EXTENSION = NativeExtension(MODULE_NAME, [SOURCE], switch=ENV, dir_env=DIR_ENV,
-                            what="zentorch native path", before_build=_register_op)
+                            what="zentorch native path", before_build=_register_op,
+                            build_command=f"python -m {__name__}")
 
 
-def load() -> ModuleType | None:
-    """The compiled module, or None (the reason is in :func:`status`). Decided once per
-    process: every op call in a process must go through the same lock."""
-    return EXTENSION.load()
-
-
-def status() -> str:
-    return EXTENSION.status()
-
-
-def describe() -> str:
-    """The status without building anything (for ``moe-dispatch doctor``)."""
-    text = EXTENSION.describe()
-    if text.startswith("not built yet"):
-        text += f", or now with `python -m {__name__}`"
-    return text
+# One process-wide decision: every kernel call in a process must go through one lock.
+load = EXTENSION.load  # the compiled module, or None (the reason: status())
+status = EXTENSION.status
+describe = EXTENSION.describe  # without building anything (for moe-dispatch doctor)
 
 
 def main() -> int:

@@ -62,8 +62,10 @@ class NativeExtension:
 
     def __init__(self, name: str, sources: Sequence[Path], *, switch: str, dir_env: str,
                  what: str, extra_cflags: Sequence[str] = ("-O2",),
-                 before_build: Callable[[], None] | None = None) -> None:
+                 before_build: Callable[[], None] | None = None,
+                 build_command: str | None = None) -> None:
         self.name, self.sources, self.what = name, [str(s) for s in sources], what
+        self.build_command = build_command  # how a user builds it now, for describe()
         self.switch, self.dir_env = switch, dir_env
         # The header's hash as a define: torch's builder rebuilds when its arguments change,
         # and it hashes only the sources, not the headers they include.
@@ -109,7 +111,8 @@ class NativeExtension:
         directory = self.build_directory()
         if any(directory.glob(f"{self.name}*.so")):
             return f"built ({directory}); loads on first use"
-        return "not built yet: it builds on first use (~30 s)"
+        hint = f", or now with `{self.build_command}`" if self.build_command else ""
+        return f"not built yet: it builds on first use (~30 s){hint}"
 
     def _build_and_load(self) -> tuple[ModuleType | None, str]:
         if self.disabled():

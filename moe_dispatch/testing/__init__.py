@@ -5,11 +5,15 @@
   :func:`random_routing`): fresh data, never zeros;
 - simulated machines (:data:`MACHINES`, :func:`machine`: a preset with every backend's
   declared ops) and :func:`machines_for` (where a backend's kernel can run);
+- :func:`thread_disagreements` (8 threads against the serial result);
 - Hypothesis strategies in :mod:`moe_dispatch.testing.strategies` (needs hypothesis);
 - the conformance kit, :mod:`moe_dispatch.testing.conformance` (needs pytest).
 """
 
 from __future__ import annotations
+
+import threading
+from typing import Any
 
 import torch
 
@@ -25,7 +29,7 @@ from ..reference import moe_reference
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 
 __all__ = ["MACHINES", "TOLERANCE", "machine", "machines_for", "random_inputs", "random_routing",
-           "random_weights", "reference", "rel_error"]
+           "random_weights", "reference", "rel_error", "thread_disagreements"]
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -63,3 +67,25 @@ def machines_for(name: str) -> list[Capabilities]:
     if accepts_something(real):
         return [real]
     return [caps for caps in (machine(m) for m in MACHINES) if accepts_something(caps)]
+
+
+def thread_disagreements(layer: Any, inputs: list, threads: int = 8, rounds: int = 30) -> list[int]:
+    """The indices of ``inputs`` on which calls from ``threads`` concurrent threads did not
+    equal the serial result (an empty list when the layer is thread-safe). Even threads take
+    ``layer.run(...)`` (a native entry where there is one), odd ones the Python path, so one
+    lock must guard both."""
+    serial = [layer(*inp) for inp in inputs]
+    wrong: list[int] = []
+
+    def work(tid: int) -> None:
+        for i in range(rounds):
+            j = (i + tid) % len(inputs)
+            if not torch.equal(layer.run(*inputs[j], native=tid % 2 == 0), serial[j]):
+                wrong.append(j)
+
+    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=300)
+    return wrong

@@ -43,6 +43,17 @@ struct PlainSpec {
   std::vector<at::Tensor> watched;
   std::vector<int64_t> versions;
 
+  PlainSpec() = default;
+  PlainSpec(int64_t hidden_, int64_t top_k_, int64_t experts_, at::ScalarType dtype_,
+            std::vector<at::Tensor> watched_, std::vector<int64_t> versions_,
+            bool reject_repeated_ids_ = false)
+      : hidden(hidden_), top_k(top_k_), experts(experts_), dtype(dtype_),
+        reject_repeated_ids(reject_repeated_ids_), watched(std::move(watched_)),
+        versions(std::move(versions_)) {
+    TORCH_CHECK(watched.size() == versions.size(), "one version per watched tensor");
+    TORCH_CHECK(top_k > 0 && hidden > 0 && experts > 0, "PlainSpec: a plain config");
+  }
+
   bool weights_unchanged() const {
     for (size_t i = 0; i < watched.size(); ++i)
       if (watched[i]._version() != versions[i]) return false;
