@@ -1,6 +1,7 @@
 """Peak memory of MoELayer.prepare() per backend, each in a fresh process.
 
 Usage: .venv/bin/python benchmarks/bench_memory.py [--config C2] [--dtype float32]
+       [--scheme int8|int4g128]   (quantized experts; multiples of the bf16 weight bytes)
 
 Reports, in MiB and as a multiple of the layer's weight bytes, measured from
 /proc/self/status (Linux only):
@@ -9,6 +10,8 @@ Reports, in MiB and as a multiple of the layer's weight bytes, measured from
 - peak: the high-water mark during prepare() (transient copies included);
 - owned: the layer built with keep_canonical=False and the caller's tensors deleted: the
   memory the layer holds above the baseline taken before the weights existed.
+Before each reading the child calls glibc's ``malloc_trim(0)``, so that memory freed by the
+layer's transient buffers counts as freed.
 """
 
 from __future__ import annotations
@@ -25,28 +28,46 @@ import moe_dispatch as md
 sys.path.insert(0, {bench_dir!r})
 from bench_backends import CONFIGS, _weights
 
+try:  # give freed heap memory back to the OS, so RSS counts what is held, not what the
+    import ctypes  # allocator keeps cached (glibc keeps freed chunks below its mmap threshold)
+    _trim = ctypes.CDLL("libc.so.6").malloc_trim
+except (OSError, AttributeError):
+    _trim = lambda _pad: 0
+
 def status(key):
+    gc.collect()
+    _trim(0)
     with open("/proc/self/status") as fh:
         for line in fh:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
-config = md.MoEConfig(**CONFIGS[{config!r}], dtype=getattr(torch, {dtype!r}))
+SCHEMES = dict(int8=md.QuantScheme("int8"), int4g128=md.QuantScheme("int4", group_size=128))
+scheme = SCHEMES.get({scheme!r})
+config = md.MoEConfig(**CONFIGS[{config!r}], dtype=getattr(torch, {dtype!r}), weight_scheme=scheme)
 md.resolve(config)  # import the plugins before any baseline
 gc.collect()
 empty = status("VmRSS")
-w13, w2 = _weights(config)
-nbytes = w13.numel() * w13.element_size() + w2.numel() * w2.element_size()
+if scheme is None:
+    w13, w2 = _weights(config)
+    nbytes = w13.numel() * w13.element_size() + w2.numel() * w2.element_size()
+    args = (w13, w2)
+else:  # quantized from float32 weights; the float ones are dropped before the baseline
+    f13, f2 = torch.randn(config.w13_shape) * 0.05, torch.randn(config.w2_shape) * 0.05
+    nbytes = (f13.numel() + f2.numel()) * 2  # the bf16 weights' bytes: the targets' unit
+    w13, w2 = md.quantize_experts(f13, f2, scheme), None
+    del f13, f2
+    args = (w13,)
 gc.collect()
 base = status("VmRSS")
 with open("/proc/self/clear_refs", "w") as fh:  # reset the peak (VmHWM) to the current RSS
     fh.write("5")
 if {mode!r} == "kept":
-    layer = md.MoELayer(config, backend={backend!r}).load_weights(w13, w2).prepare()
+    layer = md.MoELayer(config, backend={backend!r}).load_weights(*args).prepare()
     gc.collect()
     print(json.dumps(dict(weight_bytes=nbytes, kept=status("VmRSS") - base, peak=status("VmHWM") - base)))
 else:  # owned: a fresh process, so no other layer's zentorch cache entries are counted
-    layer = md.MoELayer(config, backend={backend!r}, keep_canonical=False).load_weights(w13, w2).prepare()
-    del w13, w2
+    layer = md.MoELayer(config, backend={backend!r}, keep_canonical=False).load_weights(*args).prepare()
+    del w13, w2, args
     gc.collect()
     print(json.dumps(dict(owned=status("VmRSS") - empty)))
 """
@@ -57,11 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="C2")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--backends", default=None, help="comma list (default: every accepting backend)")
+    p.add_argument("--scheme", default=None, choices=["int8", "int4g128"],
+                   help="quantized experts (bf16 activations); figures are multiples of the bf16 weight bytes")
     args = p.parse_args(argv)
     import torch
     import moe_dispatch as md
     from bench_backends import CONFIGS
-    config = md.MoEConfig(**CONFIGS[args.config], dtype=getattr(torch, args.dtype))
+    scheme = {"int8": md.QuantScheme("int8"), "int4g128": md.QuantScheme("int4", group_size=128)}.get(args.scheme)
+    config = md.MoEConfig(**CONFIGS[args.config], dtype=getattr(torch, args.dtype), weight_scheme=scheme)
     names = args.backends.split(",") if args.backends else [
         c.name for c in md.resolve(config).candidates if c.decision.accepted]
     bench_dir = os.path.dirname(os.path.abspath(__file__))
@@ -72,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         r: dict = {}
         for mode in ("kept", "owned"):
             code = CHILD.format(bench_dir=bench_dir, config=args.config, dtype=args.dtype,
-                                backend=name, mode=mode)
+                                backend=name, mode=mode, scheme=args.scheme)
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
             line = next((ln for ln in out.stdout.splitlines() if ln.startswith("{")), None)
             if line is None:
