@@ -20,6 +20,7 @@ from ._layer import MoELayer
 from ._plan import Demotion, ExecutionPlan, Route
 from ._quant import QuantizedExperts, QuantizedTensor, QuantScheme, quantize_experts
 from ._gguf import experts_from_gguf
+from ._compressed import experts_from_compressed_tensors
 from ._registry import PluginFailure, Registry, get_registry, use_registry
 from ._resolution import Candidate, Resolution, Status
 from ._resolver import call_check, clear_cache, explain, resolve
@@ -64,6 +65,6 @@ __all__ = [
     "NoBackendError", "PluginError", "PluginFailure", "QuantScheme", "QuantizedExperts",
     "QuantizedTensor", "Registry", "Resolution", "Route", "Status",
     "UnknownBackendError", "WeightsModifiedError", "accept", "available_backends", "call_check",
-    "clear_cache", "experts_from_gguf", "explain", "hookimpl", "hookspec", "kernels", "moe_experts", "plugin_failures",
+    "clear_cache", "experts_from_compressed_tensors", "experts_from_gguf", "explain", "hookimpl", "hookspec", "kernels", "moe_experts", "plugin_failures",
     "quantize_experts", "register", "reject", "reload_plugins", "resolve", "select_experts", "unregister", "use_registry",
 ]

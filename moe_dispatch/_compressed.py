@@ -1,0 +1,139 @@
+"""Experts from a compressed-tensors checkpoint ("pack-quantized": llm-compressor's int4/int8).
+
+Each expert projection is a module with (compressed-tensors 0.20's pack-quantized format):
+
+- ``weight_packed`` int32 ``[N, K * b / 32]``: the b-bit values of a row packed densely,
+  element i at bits ``i*b .. i*b + b - 1`` (word ``i*b // 32``), each stored as
+  ``q + 2**(b-1)`` (q signed);
+- ``weight_scale`` ``[N, K / g]`` (``[N, 1]`` per channel) in the model's dtype;
+- ``weight_zero_point`` (asymmetric only) int32 ``[N * b / 32, K / g]``: the signed zero
+  points packed the same way along the rows;
+- ``weight_shape`` ``[N, K]``.
+
+The value is ``(q - zp) * scale``. This project stores ``u = q + 8`` and ``z = zp + 8`` for
+int4 (value ``(u - z) * s``) and q itself for int8, so the values map exactly; the scales map
+exactly when they are representable in this project's scale dtype (float32 per channel,
+float16 per group), which is checked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from ._errors import InvalidArgumentError
+from ._quant import QuantizedExperts, QuantizedTensor, QuantScheme
+
+# (gate, up, down) module names per expert, by checkpoint family.
+NAMES = {"qwen": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+
+
+def experts_from_compressed_tensors(source: str | Path | Mapping[str, torch.Tensor], prefix: str,
+                                    num_experts: int, names: str | tuple[str, str, str] = "qwen"
+                                    ) -> QuantizedExperts:
+    """The experts under ``{prefix}.{e}.{gate|up|down}`` (e.g. ``model.layers.3.mlp.experts``)
+    of a state dict or a ``.safetensors`` file, as :class:`QuantizedExperts`. ``names``: the
+    three module names, or ``"qwen"`` (gate_proj, up_proj, down_proj) / ``"mixtral"`` (w1,
+    w3, w2). The scheme (bits, group size, zero points) is read from the tensors and must be
+    one of this project's (``QuantScheme``) and the same for every projection."""
+    if isinstance(names, str):
+        if names not in NAMES:
+            raise InvalidArgumentError("names", names, f"one of {sorted(NAMES)} or three module names")
+        names = NAMES[names]
+    tensors = _load(source, prefix)
+    parts: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, QuantScheme]]] = [[], [], []]
+    for e in range(num_experts):
+        for j, name in enumerate(names):
+            parts[j].append(_projection(tensors, f"{prefix}.{e}.{name}"))
+    schemes = {p[3] for part in parts for p in part}
+    if len(schemes) != 1:
+        raise InvalidArgumentError(f"{prefix} schemes", sorted(s.describe() for s in schemes),
+                                   "one scheme for every expert projection")
+    scheme = schemes.pop()
+    gate, up, down = (_stack(part, scheme) for part in parts)
+    w13 = QuantizedTensor(scheme, torch.cat([gate.qweight, up.qweight], 1),
+                          torch.cat([gate.scales, up.scales], 1),
+                          None if gate.zeros is None else torch.cat([gate.zeros, up.zeros], 1),
+                          (gate.shape[0], 2 * gate.shape[1], gate.shape[2]))
+    return QuantizedExperts(scheme, w13, down)
+
+
+def _load(source: str | Path | Mapping[str, torch.Tensor], prefix: str) -> Mapping[str, torch.Tensor]:
+    if isinstance(source, Mapping):
+        return source
+    from safetensors import safe_open  # comes with transformers / huggingface_hub
+
+    out = {}
+    with safe_open(str(source), framework="pt") as fh:
+        for key in fh.keys():
+            if key.startswith(prefix + "."):
+                out[key] = fh.get_tensor(key)
+    return out
+
+
+def _unpack(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """int32 ``[R, W]`` densely packed b-bit fields -> int32 ``[R, count]`` stored values
+    (b in 4 and 8 only: a field never straddles two words)."""
+    per = 32 // bits
+    shifts = torch.arange(per, dtype=torch.int32) * bits
+    fields = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return fields.reshape(words.shape[0], -1)[:, :count]
+
+
+def _projection(tensors: Mapping[str, torch.Tensor], name: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, QuantScheme]:
+    plain = tensors.get(f"{name}.weight")
+    if plain is not None and plain.dtype == torch.int8 and f"{name}.weight_scale" in tensors:
+        # "int-quantized": int8 values as they are (compressed-tensors' naive format)
+        n, k = plain.shape
+        packed = plain.to(torch.int32).add(128).reshape(n, k // 4, 4)
+        packed = (packed << (torch.arange(4, dtype=torch.int32) * 8)).sum(-1, dtype=torch.int32)
+        scale = tensors[f"{name}.weight_scale"]
+    else:
+        try:
+            packed, scale = tensors[f"{name}.weight_packed"], tensors[f"{name}.weight_scale"]
+            n, k = (int(v) for v in tensors[f"{name}.weight_shape"].tolist())
+        except KeyError as exc:
+            raise InvalidArgumentError("prefix", name, f"a pack-quantized module with "
+                                       f"{exc.args[0]}") from None
+    if packed.dtype != torch.int32 or packed.shape[0] != n or (packed.shape[1] * 32) % k:
+        raise InvalidArgumentError(f"{name}.weight_packed", f"{packed.dtype} {list(packed.shape)}",
+                                   f"int32 [{n}, {k} * bits / 32]")
+    bits = packed.shape[1] * 32 // k
+    groups = scale.shape[1]
+    zp = tensors.get(f"{name}.weight_zero_point")
+    group = None if groups == 1 and bits == 8 else k // groups
+    try:
+        scheme = QuantScheme("int8" if bits == 8 else "int4" if bits == 4 else f"{bits}-bit",
+                             group_size=group, symmetric=zp is None)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{name}", f"{bits}-bit, {groups} scale(s) per row, "
+                                   f"{'asymmetric' if zp is not None else 'symmetric'}",
+                                   f"one of this project's schemes ({exc})") from None
+    values = _unpack(packed, bits, k)  # stored q + 2**(b-1)
+    want = torch.float32 if group is None else torch.float16
+    scales = scale.to(want)
+    if not torch.equal(scales.to(scale.dtype), scale):
+        raise InvalidArgumentError(f"{name}.weight_scale", f"{scale.dtype} values",
+                                   f"scales exactly representable in {want} (this project's "
+                                   "scale dtype for the scheme)")
+    zeros = None
+    if zp is not None:  # packed along the rows: unpack the transpose
+        zeros = _unpack(zp.t().contiguous(), bits, n).t().to(torch.uint8)  # stored zp + 8
+    if bits == 8:
+        q = (values - 128).to(torch.int8)
+    else:
+        u = values.to(torch.uint8)
+        q = (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()  # element 2j low, 2j + 1 high
+    return q, scales.reshape(n, groups), zeros, scheme
+
+
+def _stack(part: list, scheme: QuantScheme) -> QuantizedTensor:
+    q = torch.stack([p[0] for p in part])
+    s = torch.stack([p[1] for p in part])
+    z = None if part[0][2] is None else torch.stack([p[2] for p in part])
+    e, n = q.shape[:2]
+    k = q.shape[2] * (2 if scheme.bits == 4 else 1)
+    return QuantizedTensor(scheme, q, s, z, (e, n, k))

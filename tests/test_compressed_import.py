@@ -1,0 +1,82 @@
+"""Experts from compressed-tensors checkpoints: written with compressed-tensors' own
+quantizer (calculate_qparams) and compressors (pack-quantized, int-quantized), saved with
+safetensors, read back by md.experts_from_compressed_tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_dispatch as md
+from moe_dispatch.reference import moe_reference
+from moe_dispatch.testing import TOLERANCE, random_routing, rel_error
+
+ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed "
+                         "(the test extra has it)")
+from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor  # noqa: E402
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
+from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+PREFIX = "model.layers.2.mlp.experts"
+
+
+def _checkpoint(path, e, h, i, bits, group, symmetric, names=("gate_proj", "up_proj", "down_proj"), seed=0):
+    """(file, {(expert, name): the library's own decompressed weight})."""
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
+                            strategy="group" if group else "channel", group_size=group)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    g = torch.Generator().manual_seed(seed)
+    tensors, theirs = {}, {}
+    for x in range(e):
+        for name, (n, k) in zip(names, ((i, h), (i, h), (h, i))):
+            w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+            rows = w.float().reshape(n, k // (group or k), group or k)
+            scale, zp = calculate_qparams(rows.amin(-1), rows.amax(-1), args)
+            packed = PackedQuantizationCompressor.compress(
+                {"weight": w, "weight_scale": scale.bfloat16(), "weight_zero_point": zp}, scheme)
+            for key, v in packed.items():
+                tensors[f"{PREFIX}.{x}.{name}.{key}"] = v.contiguous()
+            theirs[(x, name)] = PackedQuantizationCompressor.decompress(packed, scheme)["weight"]
+    save_file(tensors, str(path))
+    return path, theirs
+
+
+@pytest.mark.parametrize("bits,group,symmetric,scheme", [
+    (4, 128, True, md.QuantScheme("int4", group_size=128)),
+    (4, 32, False, md.QuantScheme("int4", group_size=32, symmetric=False)),
+    (4, 64, True, md.QuantScheme("int4", group_size=64)),
+    (8, None, True, md.QuantScheme("int8")),
+])
+def test_checkpoint_experts_map_exactly(tmp_path, bits, group, symmetric, scheme):
+    e, h, i = 3, 256, 128
+    path, theirs = _checkpoint(tmp_path / "model.safetensors", e, h, i, bits, group, symmetric)
+    qe = md.experts_from_compressed_tensors(path, PREFIX, e)
+    assert qe.scheme == scheme
+    d13, d2 = qe.dequantize()
+    # compressed-tensors dequantizes in the weights' dtype (one bf16 rounding of the exact
+    # value): ours, exact in float32, rounds to the same bf16 numbers.
+    names = ("gate_proj", "up_proj", "down_proj")
+    want13 = torch.stack([torch.cat([theirs[(x, names[0])], theirs[(x, names[1])]]) for x in range(e)])
+    want2 = torch.stack([theirs[(x, names[2])] for x in range(e)])
+    assert torch.equal(d13.bfloat16(), want13) and torch.equal(d2.bfloat16(), want2)
+    cfg = md.MoEConfig(e, 2, h, i, dtype=torch.bfloat16, weight_scheme=scheme)
+    layer = md.MoELayer(cfg, backend="torch").load_weights(qe).prepare()
+    x, tw, ids = random_routing(cfg, 6)
+    assert rel_error(layer(x, tw, ids), moe_reference(cfg, x, d13, d2, tw, ids)) <= TOLERANCE[torch.bfloat16]
+
+
+def test_mixtral_names_and_errors(tmp_path):
+    path, _ = _checkpoint(tmp_path / "m.safetensors", 2, 64, 64, 4, 32, True,
+                          names=("w1", "w3", "w2"))
+    qe = md.experts_from_compressed_tensors(path, PREFIX, 2, names="mixtral")
+    assert qe.scheme == md.QuantScheme("int4", group_size=32) and qe.w13.shape == (2, 128, 64)
+    with pytest.raises(md.InvalidArgumentError, match="gate_proj"):
+        md.experts_from_compressed_tensors(path, PREFIX, 2)  # the Qwen names are not there
+    with pytest.raises(md.InvalidArgumentError, match=r"experts.2"):
+        md.experts_from_compressed_tensors(path, PREFIX, 3, names="mixtral")
+    with pytest.raises(md.InvalidArgumentError, match="names='deepseek'"):
+        md.experts_from_compressed_tensors(path, PREFIX, 2, names="deepseek")
+    odd, _ = _checkpoint(tmp_path / "g16.safetensors", 1, 64, 64, 4, 16, True)
+    with pytest.raises(md.InvalidArgumentError, match="group_size=16"):
+        md.experts_from_compressed_tensors(odd, PREFIX, 1)
