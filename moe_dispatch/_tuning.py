@@ -207,9 +207,20 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
         cached = None  # "fastest" wants every bucket measured, not a probed table
     prepared: dict[str, Route] = {chosen.name: chosen}
 
+    need = 2 * sum(t.numel() * t.element_size() for _, t in weights.tensors())
+    skipped: list[str] = []
+
     def prepare_all(wanted: list[str]) -> None:
         for name in wanted:
             if name not in prepared:
+                free = available_bytes()
+                if free is not None and free < need:
+                    # A candidate's state can take twice the weights (zentorch in bf16): one
+                    # more must not push the machine into swap or the OOM killer.
+                    log.warning("moe-dispatch: %r not prepared for tuning: %d MiB available, "
+                                "%d MiB wanted", name, free >> 20, need >> 20)
+                    skipped.append(name)
+                    continue
                 try:
                     prepared[name] = Route(records[name], build(records[name]))
                 except Exception as exc:  # a candidate that cannot prepare is not used
@@ -235,7 +246,20 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
     routes = tuple(prepared[table[t]] for t in sizes)
     tuned = {t: {"winner": table[t], "ms": dict(timings.get(t, {})) if cached is None else {},
                  "source": _source(t, measured, cached is not None)} for t in sizes}
-    return routes, tuned, f"{how}; candidates {', '.join(names)}"
+    left = f" ({', '.join(skipped)} not prepared: memory)" if skipped else ""
+    return routes, tuned, f"{how}; candidates {', '.join(n for n in names if n not in skipped)}{left}"
+
+
+def available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None (no check)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def _source(tokens: int, measured: set[int], from_cache: bool) -> str:

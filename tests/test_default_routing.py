@@ -221,3 +221,19 @@ def test_the_demo_shows_the_default_routing(tmp_path):
     assert "policy='auto'" in out.stdout and "== explain (layer stage)" in out.stdout
     assert "routed per token count" in out.stdout
     assert out.stdout.count("(OK; tolerance") == 4  # bf16 and fp32, at T=1 and T=8
+
+
+def test_candidates_are_not_prepared_without_the_memory_for_them(default_policy, monkeypatch, caplog):
+    """Each extra candidate needs twice the weights' bytes available; short of that it is
+    left out (WARNING) and the others are timed."""
+    from moe_dispatch import _tuning
+
+    small, large = Paced(2, 12), Paced(4, 3)
+    monkeypatch.setattr(_tuning, "available_bytes", lambda: 1024)
+    with md.use_registry(_registry(small=(50, small), large=(40, large))), \
+            caplog.at_level(logging.WARNING, logger="moe_dispatch"):
+        layer = md.MoELayer(CFG, tune_max_tokens=CAP, tuning_cache=False)
+        layer.load_weights(**random_weights(CFG)).prepare()
+    assert large.prepared == 0 and set(layer.tuned_table.values()) == {"small"}
+    assert "'large' not prepared for tuning" in caplog.text
+    assert "(large not prepared: memory)" in layer.explain()
