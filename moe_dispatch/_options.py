@@ -29,9 +29,9 @@ class TuningOptions:
     budget, where the tuned table persists (None: the default file; False: nowhere), and
     whether buckets are probed (``adaptive``, "auto") or all measured ("fastest")."""
 
-    max_candidates: int | None = 3
+    max_candidates: int | None = POLICY_DEFAULTS[DEFAULT_POLICY][0]
     max_tokens: int = 512
-    budget_s: float = 20.0
+    budget_s: float = POLICY_DEFAULTS[DEFAULT_POLICY][1]
     cache: str | Path | bool | None = None
     adaptive: bool = True
 

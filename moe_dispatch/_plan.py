@@ -81,9 +81,10 @@ class ExecutionPlan:
     def native(self) -> NativeEntry | None:
         """The native entry when one backend serves every token count and has one."""
         natives = self.natives
-        if natives is None or len({id(n) for n in natives}) != 1 or natives[0] is None:
+        first = natives[0] if natives is not None else None
+        if first is None or any(pair is not first for pair in natives):  # type: ignore[union-attr]
             return None
-        return natives[0][0]
+        return first[0]
 
     def native_for(self, hidden_states: Any) -> tuple[NativeEntry, Route] | None:
         """The native entry (and its route) of the bucket of this call's token count, or

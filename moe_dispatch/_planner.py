@@ -46,25 +46,27 @@ def build_plan(config: MoEConfig, options: LayerOptions, config_stage: Resolutio
     watched = canonical.tensors()
     # Native entries guard the caller's weights by version: only when those are held.
     guard = FastGuard(watched, canonical.versions) if watched else None
-    entries: dict[int, tuple[Route, NativeEntry | None]] = {}
+    # One (entry, route) pair per distinct route, so that buckets served by the same route
+    # share it; the route is held beside it, so its id is not reused meanwhile.
+    pairs: dict[int, tuple[Route, tuple[NativeEntry, Route] | None]] = {}
 
-    def entry_of(r: Route) -> NativeEntry | None:
-        if id(r) not in entries:  # the route is kept with it: ids are not reused meanwhile
-            entries[id(r)] = (r, _native_entry(r, guard) if guard is not None else None)
-        return entries[id(r)][1]
+    def pair_of(r: Route) -> tuple[NativeEntry, Route] | None:
+        if id(r) not in pairs:
+            entry = _native_entry(r, guard) if guard is not None else None
+            pairs[id(r)] = (r, (entry, r) if entry is not None else None)
+        return pairs[id(r)][1]
 
     table = tuned = None
     note = ""
     if options.policy != "priority" and res.forced is None and not demotions:
         # Tuning times what the forward will run: a route's native entry where it has one.
         table, tuned, note = tune(config, final, route, weights, build, options.tuning,
-                                  lambda r: _runner(r, entry_of(r)))
+                                  lambda r: _runner(r, pair_of(r)))
         note = f"policy={options.policy}: {note}"
     routes = (route,) if table is None else tuple({id(r): r for r in table}.values())
     natives = None
-    if guard is not None and any(entry_of(r) is not None for r in routes):
-        natives = tuple((entry_of(r), r) if entry_of(r) is not None else None  # type: ignore[misc]
-                        for r in (table if table is not None else (route,)))
+    if guard is not None and any(pair_of(r) is not None for r in routes):
+        natives = tuple(pair_of(r) for r in (table if table is not None else (route,)))
     return ExecutionPlan(
         resolution=_annotate(final, demotions), route=route, canonical=canonical, table=table,
         tuned=tuned, tuning_note=note, natives=natives, watched=watched,
@@ -75,10 +77,11 @@ def build_plan(config: MoEConfig, options: LayerOptions, config_stage: Resolutio
         check_ids=not all(r.record.spec.validates_ids for r in routes))
 
 
-def _runner(route: Route, entry: NativeEntry | None) -> Callable[..., torch.Tensor]:
+def _runner(route: Route, pair: tuple[NativeEntry, Route] | None) -> Callable[..., torch.Tensor]:
     apply, state = route.apply, route.state
-    if entry is None:
+    if pair is None:
         return lambda x, tw, ids: apply(state, x, tw, ids)
+    entry = pair[0]
 
     def run(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = entry(x, tw, ids)

@@ -185,13 +185,12 @@ def _candidates(final: Resolution, chosen: Route, weights: LayerWeights,
 
 
 def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeights,
-         build: Build, options: TuningOptions, runner: Callable[[Route], Runner] | None = None
+         build: Build, options: TuningOptions, runner: Callable[[Route], Runner]
          ) -> tuple[tuple[Route, ...], dict[int, dict[str, Any]], str]:
     """The route of every bucket, from the tuning cache or measured now; bucket ->
     {"winner": name, "ms": {name: ms}, "source": how it was decided}; and a one-line
     summary (cost, candidates). ``runner(route)``: what a forward runs on that route (its
-    native entry, say); default its ``apply``. Only the winners' prepared states are kept
-    (memory)."""
+    native entry, or its ``apply``). Only the winners' prepared states are kept (memory)."""
     started = time.perf_counter()
     records = _candidates(final, chosen, weights, options.max_candidates)
     sizes = bucket_sizes(options.max_tokens)
@@ -215,8 +214,9 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
             if name not in prepared:
                 free = available_bytes()
                 if free is not None and free < need:
-                    # A candidate's state can take twice the weights (zentorch in bf16): one
-                    # more must not push the machine into swap or the OOM killer.
+                    # A candidate's state can take twice the weights (measured for a built-in
+                    # backend in bf16): one more must not push the machine into swap or the
+                    # OOM killer.
                     log.warning("moe-dispatch: %r not prepared for tuning: %d MiB available, "
                                 "%d MiB wanted", name, free >> 20, need >> 20)
                     skipped.append(name)
@@ -245,7 +245,8 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
                f"{len(measured)} of {len(sizes)} buckets")
     routes = tuple(prepared[table[t]] for t in sizes)
     tuned = {t: {"winner": table[t], "ms": dict(timings.get(t, {})) if cached is None else {},
-                 "source": _source(t, measured, cached is not None)} for t in sizes}
+                 "source": _source(t, measured, cached is not None, options.adaptive)}
+             for t in sizes}
     left = f" ({', '.join(skipped)} not prepared: memory)" if skipped else ""
     return routes, tuned, f"{how}; candidates {', '.join(n for n in names if n not in skipped)}{left}"
 
@@ -262,14 +263,18 @@ def available_bytes() -> int | None:
     return None
 
 
-def _source(tokens: int, measured: set[int], from_cache: bool) -> str:
+def _source(tokens: int, measured: set[int], from_cache: bool, adaptive: bool) -> str:
     if from_cache:
         return "from the tuning cache" + ("" if tokens in measured else " (not measured)")
-    return "measured" if tokens in measured else "not measured: nearest measured bucket"
+    if tokens in measured:
+        return "measured"
+    # What measure / measure_adaptive give a bucket they did not time.
+    return "not measured: nearest measured bucket" if adaptive else \
+        "not measured (budget spent): the priority choice"
 
 
 def _working_runners(prepared: dict[str, Route], chosen: str, config: MoEConfig,
-                     runner: Callable[[Route], Runner] | None) -> dict[str, Runner]:
+                     runner: Callable[[Route], Runner]) -> dict[str, Runner]:
     """A runner per prepared candidate whose kernel runs at all (one call at T=1): a
     candidate that fails is not timed and never wins a bucket."""
     x, tw, ids = random_inputs(config, 1, pool=1, seed=0)[0]
@@ -281,7 +286,4 @@ def _working_runners(prepared: dict[str, Route], chosen: str, config: MoEConfig,
             log.warning("moe-dispatch: %r failed a tuning call (%s: %s); not a candidate",
                         name, type(exc).__name__, exc)
             del prepared[name]
-    if runner is None:
-        return {n: (lambda x, tw, ids, _r=prepared[n]: _r.apply(_r.state, x, tw, ids))
-                for n in sorted(prepared)}
     return {n: runner(prepared[n]) for n in sorted(prepared)}

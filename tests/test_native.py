@@ -107,6 +107,7 @@ def test_a_tuned_layer_takes_the_entry_when_one_backend_wins_every_bucket():
         layer = md.MoELayer(CFG, policy="fastest", tune_max_tokens=4, max_candidates=1,
                             tuning_cache=False).load_weights(**random_weights(CFG)).prepare()
         assert set(layer.tuned_table.values()) == {"entry"} and layer.uses_native_entry
+        assert layer.plan.native is not None  # one route for every bucket: its entry
         layer(*random_routing(CFG, 3))
         assert backend.entry_calls == 1
 

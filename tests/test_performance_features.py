@@ -167,6 +167,7 @@ def test_tuning_budget_spent_falls_back_to_the_priority_choice(caplog):
         layer.load_weights(**random_weights(CFG)).prepare()
     assert set(layer.tuned_table.values()) == {layer.backend}
     assert any("tuning budget" in r.message for r in caplog.records)
+    assert "not measured (budget spent): the priority choice" in layer.explain()
 
 
 def test_tuning_reports_progress_after_a_second(caplog):
