@@ -24,7 +24,7 @@ from typing import Mapping
 import torch
 
 from ._errors import InvalidArgumentError
-from ._quant import QuantizedExperts, QuantizedTensor, QuantScheme
+from ._quant import QuantizedExperts, QuantizedTensor, QuantScheme, pack_nibbles
 
 # (gate, up, down) module names per expert, by checkpoint family.
 NAMES = {"qwen": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
@@ -53,10 +53,9 @@ def experts_from_compressed_tensors(source: str | Path | Mapping[str, torch.Tens
                                    "one scheme for every expert projection")
     scheme = schemes.pop()
     gate, up, down = (_stack(part, scheme) for part in parts)
-    w13 = QuantizedTensor(scheme, torch.cat([gate.qweight, up.qweight], 1),
-                          torch.cat([gate.scales, up.scales], 1),
-                          None if gate.zeros is None else torch.cat([gate.zeros, up.zeros], 1),
-                          (gate.shape[0], 2 * gate.shape[1], gate.shape[2]))
+    w13 = QuantizedTensor.of(scheme, torch.cat([gate.qweight, up.qweight], 1),
+                             torch.cat([gate.scales, up.scales], 1),
+                             None if gate.zeros is None else torch.cat([gate.zeros, up.zeros], 1))
     return QuantizedExperts(scheme, w13, down)
 
 
@@ -122,18 +121,11 @@ def _projection(tensors: Mapping[str, torch.Tensor], name: str
     zeros = None
     if zp is not None:  # packed along the rows: unpack the transpose
         zeros = _unpack(zp.t().contiguous(), bits, n).t().to(torch.uint8)  # stored zp + 8
-    if bits == 8:
-        q = (values - 128).to(torch.int8)
-    else:
-        u = values.to(torch.uint8)
-        q = (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()  # element 2j low, 2j + 1 high
+    q = (values - 128).to(torch.int8) if bits == 8 else pack_nibbles(values)
     return q, scales.reshape(n, groups), zeros, scheme
 
 
 def _stack(part: list, scheme: QuantScheme) -> QuantizedTensor:
-    q = torch.stack([p[0] for p in part])
-    s = torch.stack([p[1] for p in part])
     z = None if part[0][2] is None else torch.stack([p[2] for p in part])
-    e, n = q.shape[:2]
-    k = q.shape[2] * (2 if scheme.bits == 4 else 1)
-    return QuantizedTensor(scheme, q, s, z, (e, n, k))
+    return QuantizedTensor.of(scheme, torch.stack([p[0] for p in part]),
+                              torch.stack([p[1] for p in part]), z)

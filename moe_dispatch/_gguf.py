@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ._errors import InvalidArgumentError
-from ._quant import QuantizedExperts, QuantizedTensor, QuantScheme
+from ._quant import QuantizedExperts, QuantizedTensor, QuantScheme, pack_nibbles
 
 BLOCK = 32
 NAMES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -56,7 +56,7 @@ def experts_from_gguf(path: str | Path, layer: int) -> QuantizedExperts:
     scheme = QuantScheme("int8", group_size=BLOCK) if kind == "Q8_0" else QuantScheme("int4", group_size=BLOCK)
     gate, up, down = (_unpack(found[n], kind) for n in NAMES)
     w13 = [torch.cat([g, u], dim=1) for g, u in zip(gate, up)]  # (values, scales) along N
-    return QuantizedExperts(scheme, _tensor(scheme, *w13), _tensor(scheme, *down))
+    return QuantizedExperts(scheme, QuantizedTensor.of(scheme, *w13), QuantizedTensor.of(scheme, *down))
 
 
 def _unpack(t, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,12 +70,6 @@ def _unpack(t, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         values = torch.from_numpy(body.copy().view(np.int8).reshape(e, n, k))
         return values, scales
     # Q4_0: low nibbles are elements 0..15 of the block, high nibbles 16..31.
-    nib = np.concatenate([body & 0x0F, body >> 4], axis=1)  # [blocks, 32] in element order
-    packed = nib[:, 0::2] | (nib[:, 1::2] << 4)  # element 2j low, 2j + 1 high
-    return torch.from_numpy(packed.astype(np.uint8).reshape(e, n, k // 2)), scales
-
-
-def _tensor(scheme: QuantScheme, values: torch.Tensor, scales: torch.Tensor) -> QuantizedTensor:
-    e, n = values.shape[:2]
-    k = values.shape[2] * (2 if scheme.bits == 4 else 1)
-    return QuantizedTensor(scheme, values.contiguous(), scales.contiguous(), None, (e, n, k))
+    body = torch.from_numpy(body.copy())
+    nib = torch.cat([body & 0x0F, body >> 4], dim=1)  # [blocks, 32] in element order
+    return pack_nibbles(nib).reshape(e, n, k // 2), scales

@@ -110,42 +110,56 @@ class QuantizedTensor:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros)
                    if t is not None)
 
+    @classmethod
+    def of(cls, scheme: QuantScheme, qweight: torch.Tensor, scales: torch.Tensor,
+           zeros: torch.Tensor | None = None) -> "QuantizedTensor":
+        """A tensor whose logical shape follows from ``qweight`` (two int4 values per byte)."""
+        e, n, width = qweight.shape
+        return cls(scheme, qweight, scales, zeros, (e, n, width * (2 if scheme.bits == 4 else 1)))
+
+    def stored(self, expert: int | None = None, dtype: torch.dtype = torch.int16) -> torch.Tensor:
+        """The stored integers in element order, ``[E, N, K]`` (``[N, K]`` for one expert) in
+        ``dtype``: int8 q as is, or the int4 nibbles (q + 8 symmetric, q with zero points)."""
+        qweight = self.qweight if expert is None else self.qweight[expert]
+        return qweight.to(dtype) if self.scheme.bits == 8 else unpack_nibbles(qweight).to(dtype)
+
+    def _offsets(self, expert: int | None, dtype: torch.dtype) -> torch.Tensor | float:
+        """What is subtracted from ``stored()`` per group: the zero points, or 8 / 0."""
+        if self.zeros is not None:
+            zeros = self.zeros if expert is None else self.zeros[expert]
+            return zeros.to(dtype).unsqueeze(-1)
+        return 8 if self.scheme.bits == 4 else 0
+
+    def _grouped(self, q: torch.Tensor) -> torch.Tensor:
+        groups = self.scales.shape[-1]
+        return q.reshape(*q.shape[:-1], groups, q.shape[-1] // groups)
+
     def values(self, expert: int | None = None) -> torch.Tensor:
         """The integer values q - zero, int16 ``[E, N, K]`` (``[N, K]`` for one expert)."""
-        e, n, k = self.shape
-        pick = (lambda t: t) if expert is None else (lambda t: t[expert])
-        shape = (e, n, k) if expert is None else (n, k)
-        if self.scheme.bits == 8:
-            q = pick(self.qweight).to(torch.int16)
-        else:
-            packed = pick(self.qweight).to(torch.int16)
-            q = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(shape)
-            q = q - 8 if self.scheme.symmetric else q
-        if self.zeros is not None:
-            zeros = pick(self.zeros).to(torch.int16)
-            q = q - zeros.repeat_interleave(k // zeros.shape[-1], dim=-1)
-        return q
+        q = self.stored(expert)
+        return (self._grouped(q) - self._offsets(expert, torch.int16)).reshape(q.shape)
 
     def dequantize(self, expert: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The ``[E, N, K]`` (``[N, K]`` for one expert) these values stand for: exact in
         float32; in another ``dtype``, computed there (the scale rounded to it once, the
         product once)."""
-        e, n, k = self.shape
-        pick = (lambda t: t) if expert is None else (lambda t: t[expert])
-        lead = (e, n) if expert is None else (n,)
-        if self.scheme.bits == 8:
-            q = pick(self.qweight).to(dtype)
-        else:
-            packed = pick(self.qweight)
-            q = torch.stack((packed & 0xF, packed >> 4), dim=-1).to(dtype)
-            q = q.reshape(*lead, k)
-        groups = self.scales.shape[-1]
-        q = q.reshape(*lead, groups, k // groups)
-        if self.zeros is not None:
-            q = q - pick(self.zeros).to(dtype).unsqueeze(-1)
-        elif self.scheme.bits == 4:
-            q = q - 8
-        return (q * pick(self.scales).to(dtype).unsqueeze(-1)).reshape(*lead, k)
+        q = self.stored(expert, dtype)
+        scales = self.scales if expert is None else self.scales[expert]
+        v = self._grouped(q) - self._offsets(expert, dtype)
+        return (v * scales.to(dtype).unsqueeze(-1)).reshape(q.shape)
+
+
+def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
+    """4-bit stored values ``[..., K]`` in element order -> uint8 ``[..., K / 2]``, element
+    2j in the low nibble and 2j + 1 in the high one (the layout of ``qweight``)."""
+    u = u.to(torch.uint8)
+    return (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_nibbles`, as int16 ``[..., K]``."""
+    p = packed.to(torch.int16)
+    return torch.stack((p & 0xF, p >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
 
 
 def _expect(field: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
@@ -185,12 +199,8 @@ def quantize(w: torch.Tensor, scheme: QuantScheme, field: str = "w") -> Quantize
         q = (torch.round(x / safe) + z.unsqueeze(-1)).clamp(0, 15)
         zeros = z.to(torch.uint8)
     q = q.reshape(e, n, k)
-    if scheme.bits == 8:
-        qweight = q.to(torch.int8)
-    else:
-        u = (q + 8 if scheme.symmetric else q).to(torch.uint8).reshape(e, n, k // 2, 2)
-        qweight = (u[..., 0] | (u[..., 1] << 4)).contiguous()
-    return QuantizedTensor(scheme, qweight, stored.contiguous(), zeros, (e, n, k))
+    qweight = q.to(torch.int8) if scheme.bits == 8 else pack_nibbles(q + 8 if scheme.symmetric else q)
+    return QuantizedTensor.of(scheme, qweight, stored.contiguous(), zeros)
 
 
 @attrs.frozen(slots=True, eq=False)
