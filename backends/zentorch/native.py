@@ -10,7 +10,6 @@ Run ``python -m moe_dispatch_backends.zentorch.native`` to build it and print th
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from moe_dispatch.kernels import NativeExtension
@@ -37,11 +36,7 @@ describe = EXTENSION.describe  # without building anything (for moe-dispatch doc
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    EXTENSION.verbose = True  # the builder's commands and compiler output, when it builds
-    module = load()
-    print(f"zentorch native path: {status()}")
-    return 0 if module is not None or EXTENSION.disabled() else 1
+    return EXTENSION.main()
 
 
 if __name__ == "__main__":

@@ -114,6 +114,22 @@ class NativeExtension:
         hint = f", or now with `{self.build_command}`" if self.build_command else ""
         return f"not built yet: it builds on first use (~30 s){hint}"
 
+    def main(self, library: Callable[[], tuple[bool, str]] | None = None) -> int:
+        """The body of ``python -m <the backend's native module>``: build (showing the
+        compiler's commands and output), print the status. ``library()``: (present, text)
+        of what the module needs; absent, nothing is built. Exit status 0 unless a build
+        was possible and failed."""
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        if library is not None:
+            present, text = library()
+            if not present:
+                print(f"{self.what}: not built ({text})")
+                return 0
+        self.verbose = True
+        module = self.load()
+        print(f"{self.what}: {self.status()}")
+        return 0 if module is not None or self.disabled() else 1
+
     def _build_and_load(self) -> tuple[ModuleType | None, str]:
         if self.disabled():
             return None, f"off ({self.switch}={os.environ.get(self.switch)}): the Python path runs"
