@@ -96,6 +96,10 @@ def _error(cfg, qe, out, x, tw, ids):
 def test_the_op_is_within_its_bound_of_the_reference(scheme, shape):
     cfg, qe, layer = _layer(scheme, **shape)
     before = [t.clone() for t in (qe.w13.qweight, qe.w13.scales, qe.w2.qweight, qe.w2.scales)]
+    st = layer.plan.route.state  # what the op is handed shares no storage with the caller
+    storage = lambda ts: {t.untyped_storage().data_ptr() for t in ts}  # noqa: E731
+    assert not storage((qe.w13.qweight, qe.w13.scales, qe.w2.qweight, qe.w2.scales)) & storage(
+        (st.w13, st.w2, st.w13_scales, st.w2_scales))
     for tokens in (1, 5, 33):
         x, tw, ids = random_routing(cfg, tokens, seed=tokens)
         out = layer(x, tw, ids)

@@ -75,19 +75,19 @@ class ZentorchBackend(md.BackendBase):
         config = weights.config
         call = _ledger.op_caller()  # before the ledger lock: the first one may compile (~30 s)
         q = weights.quantized
-        if q is not None:
-            w13, w2, s13, s2 = _quant.op_tensors(q)
-        else:
-            w13, w2, s13, s2 = weights.w13, weights.w2, None, None
         with _ledger.LEDGER_LOCK:
             for attempt in range(2):
                 own = _ledger.private_copy if attempt or q is not None else _ledger.shared_or_copy
-                state = ZentorchState(
-                    config, own(w13), own(w2),
-                    own(weights.w13_bias) if weights.w13_bias is not None else None,
-                    own(weights.w2_bias) if weights.w2_bias is not None else None,
-                    config.activation.value, call,
-                    own(s13) if s13 is not None else None, own(s2) if s2 is not None else None)
+                if q is not None:
+                    # Made afresh for each attempt (the op may rewrite what it was handed) and
+                    # adopted as they are: they are already private.
+                    w13, w2, s13, s2 = (_ledger.adopt(t) for t in _quant.op_tensors(q))
+                else:
+                    w13, w2, s13, s2 = own(weights.w13), own(weights.w2), None, None
+                b13, b2 = (own(b) if b is not None else None
+                           for b in (weights.w13_bias, weights.w2_bias))
+                state = ZentorchState(config, w13, w2, b13, b2, config.activation.value, call,
+                                      s13, s2)
                 _ledger.burn(state.w13, state.w2, state.w13_bias, state.w2_bias,
                              state.w13_scales, state.w2_scales)
                 error = warm_up_and_check(state, weights)

@@ -68,7 +68,15 @@ def shared_or_copy(t: torch.Tensor) -> torch.Tensor:
     of the weight bytes kept for fp32). bf16 is always copied: the default cache mode
     reorders bf16 weights in place.
     """
-    if t.dtype == torch.float32 and t.is_contiguous() and not (_addresses(t) & _BURNED):
+    return adopt(t) if t.dtype == torch.float32 else private_copy(t)
+
+
+def adopt(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it is contiguous at addresses the op has never seen, else a
+    private copy (hold LEDGER_LOCK). For a tensor nobody else may write: the caller's fp32
+    weights (above), or one the backend has just made for the op (quantized values and
+    scales in the op's layout), which then needs no second copy."""
+    if t.is_contiguous() and not (_addresses(t) & _BURNED):
         return t
     return private_copy(t)
 

@@ -63,8 +63,8 @@ def supports_config(config: md.MoEConfig, caps: md.Capabilities, library: str) -
 
 
 def op_tensors(q: md.QuantizedExperts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(w13, w2, w13_scales, w2_scales) in the op's layout, new contiguous tensors (the
-    caller's are only read)."""
+    """(w13, w2, w13_scales, w2_scales) in the op's layout, new contiguous tensors that
+    share no storage with the caller's (they are handed to the op as they are)."""
     return (_values(q.w13), _values(q.w2), _scales(q.w13), _scales(q.w2))
 
 
@@ -77,7 +77,7 @@ def _values(t: md.QuantizedTensor) -> torch.Tensor:
 
 
 def _scales(t: md.QuantizedTensor) -> torch.Tensor:
-    s = t.scales.to(torch.float32)  # fp16 group scales are exact in float32
+    s = t.scales.to(torch.float32, copy=True)  # new (fp16 group scales are exact in fp32)
     if t.scheme.group_size is None:
         return s.reshape(s.shape[0], s.shape[1]).contiguous()  # [E, N]
     return s.transpose(1, 2).contiguous()  # [E, K/g, N]
