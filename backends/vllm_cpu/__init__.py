@@ -118,25 +118,19 @@ class VllmBackend(md.BackendBase):
         return out
 
 
-_CALLER: list[Callable[..., None]] = []
-_CALLER_LOCK = threading.Lock()
-
-
 def _op_caller() -> Callable[..., None]:
-    """The serialised kernel call, decided once per process (one lock for every call)."""
-    with _CALLER_LOCK:
-        if not _CALLER:
-            module = native.load()
-            if module is not None:
-                _CALLER.append(module.run_op)
-            else:
-                op = torch.ops._C.cpu_fused_moe.default
+    """The serialised kernel call: the native module's run_op when it loads (decided once
+    per process by ``native.load``, so every call takes one lock), else the op under a
+    Python lock."""
+    module = native.load()
+    if module is not None:
+        return module.run_op
+    op = torch.ops._C.cpu_fused_moe.default
 
-                def call(*args: Any) -> None:
-                    with _OP_LOCK:
-                        op(*args)
-                _CALLER.append(call)
-        return _CALLER[0]
+    def call(*args: Any) -> None:
+        with _OP_LOCK:
+            op(*args)
+    return call
 
 
 @md.hookimpl
