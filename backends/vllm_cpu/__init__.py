@@ -119,18 +119,8 @@ class VllmBackend(md.BackendBase):
 
 
 def _op_caller() -> Callable[..., None]:
-    """The serialised kernel call: the native module's run_op when it loads (decided once
-    per process by ``native.load``, so every call takes one lock), else the op under a
-    Python lock."""
-    module = native.load()
-    if module is not None:
-        return module.run_op
-    op = torch.ops._C.cpu_fused_moe.default
-
-    def call(*args: Any) -> None:
-        with _OP_LOCK:
-            op(*args)
-    return call
+    """The serialised kernel call (one lock for the C++ entry and the Python path)."""
+    return native.EXTENSION.op_caller(torch.ops._C.cpu_fused_moe.default, _OP_LOCK)
 
 
 @md.hookimpl

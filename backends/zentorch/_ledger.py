@@ -14,7 +14,7 @@ per process, before the first op call (:func:`op_caller`), so two locks never co
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -27,16 +27,8 @@ _OP_LOCK = threading.Lock()
 
 def op_caller() -> Callable[..., None]:
     """The serialised op call: ``call(out, x, w13, w2, w13_bias, w2_bias, topk_weights,
-    topk_ids, skip_weighted, act)``."""
-    module = native.load()
-    if module is not None:
-        return module.run_op
-    op = torch.ops.zentorch.zentorch_fused_moe.default
-
-    def call(*args: Any) -> None:
-        with _OP_LOCK:
-            op(*args)
-    return call
+    topk_ids, skip_weighted, act, w13_scales, w2_scales)``."""
+    return native.EXTENSION.op_caller(torch.ops.zentorch.zentorch_fused_moe.default, _OP_LOCK)
 
 
 def _addresses(t: torch.Tensor) -> set[int]:

@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -113,6 +113,20 @@ class NativeExtension:
             return f"built ({directory}); loads on first use"
         hint = f", or now with `{self.build_command}`" if self.build_command else ""
         return f"not built yet: it builds on first use (~30 s){hint}"
+
+    def op_caller(self, op: Callable[..., Any], lock: Any) -> Callable[..., None]:
+        """The serialised kernel call, decided by :meth:`load` once per process: the
+        compiled module's ``run_op`` (its own mutex, the GIL released) when it loads, else
+        ``op`` under ``lock``. A kernel that is not thread-safe is then guarded by one lock,
+        whichever path calls it."""
+        module = self.load()
+        if module is not None:
+            return module.run_op
+
+        def call(*args: Any) -> None:
+            with lock:
+                op(*args)
+        return call
 
     def main(self, library: Callable[[], tuple[bool, str]] | None = None) -> int:
         """The body of ``python -m <the backend's native module>``: build (showing the
