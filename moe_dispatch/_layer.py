@@ -170,7 +170,8 @@ class MoELayer(torch.nn.Module):
 
     @property
     def tuned_table(self) -> dict[int, str] | None:
-        """bucket size -> backend under policy="auto" / "fastest" (None under "priority")."""
+        """bucket size -> backend under policy="auto" / "fastest", and under "priority" when the
+        chosen backend has a ``max_tokens`` (else None)."""
         plan = self._plan
         if plan is None or not plan.tuned:
             return None

@@ -19,9 +19,9 @@ from ._decision import reject
 from ._options import LayerOptions
 from ._plan import Demotion, ExecutionPlan, NativeEntry, Route
 from ._resolution import Resolution, Status
-from ._resolver import resolve, resolve_layer
+from ._resolver import call_check, resolve, resolve_layer
 from ._spec import BackendRecord, FastGuard, LayerWeights
-from ._tuning import tune
+from ._tuning import bucket_sizes, tune
 
 log = logging.getLogger("moe_dispatch")
 
@@ -63,6 +63,8 @@ def build_plan(config: MoEConfig, options: LayerOptions, config_stage: Resolutio
         table, tuned, note = tune(config, final, route, weights, build, options.tuning,
                                   lambda r: _runner(r, pair_of(r)))
         note = f"policy={options.policy}: {note}"
+    if table is None and res.forced is None and rec.spec.max_tokens is not None:
+        table, tuned, note = _limited(final, route, weights, build, options.tuning.max_tokens)
     routes = (route,) if table is None else tuple({id(r): r for r in table}.values())
     natives = None
     if guard is not None and any(pair_of(r) is not None for r in routes):
@@ -75,6 +77,32 @@ def build_plan(config: MoEConfig, options: LayerOptions, config_stage: Resolutio
         # The id range check can be left to the kernels only when every backend this plan
         # may run rejects bad ids itself (BackendSpec.validates_ids).
         check_ids=not all(r.record.spec.validates_ids for r in routes))
+
+
+def _limited(final: Resolution, route: Route, weights: LayerWeights,
+             build: Callable[[BackendRecord], Any], cap: int
+             ) -> tuple[tuple[Route, ...] | None, dict[int, dict[str, Any]] | None, str]:
+    """The chosen backend serves buckets up to its ``max_tokens``; the first backend after
+    it without a limit that accepts the layer serves the rest (prepared here)."""
+    limit = route.record.spec.max_tokens
+    for cand in final.candidates:
+        other = final.record(cand.name)
+        if cand.status is not Status.STANDBY or other is None or other.spec.max_tokens is not None:
+            continue
+        if not call_check(other, "supports_layer", weights, final.capabilities).accepted:
+            continue
+        try:
+            beyond = Route(other, build(other))
+        except Exception as exc:  # as in the resolver: a backend that cannot prepare is skipped
+            log.warning("moe-dispatch: %r could not be prepared for T > %s (%s)", other.name, limit, exc)
+            continue
+        sizes = bucket_sizes(cap)
+        table = tuple(route if route.record.spec.serves(t) else beyond for t in sizes)
+        why = f"{route.name} serves T <= {limit} (its max_tokens)"
+        tuned = {t: {"winner": r.name, "ms": {}, "source": why} for t, r in zip(sizes, table)}
+        return table, tuned, f"{why}; larger calls run on {beyond.name}"
+    return None, None, (f"{route.name} serves T <= {limit} (its max_tokens), and no other backend "
+                        "accepts the layer: it runs every call")
 
 
 def _runner(route: Route, pair: tuple[NativeEntry, Route] | None) -> Callable[..., torch.Tensor]:

@@ -163,6 +163,11 @@ def _check_weights(instance: Any, attribute: attrs.Attribute, value: tuple[str, 
                           f"{list(WEIGHT_FORMATS)}")
 
 
+def _check_max_tokens(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"BackendSpec.max_tokens={value!r}: expected a positive int or None")
+
+
 def _check_backend(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     missing = [m for m in _REQUIRED_METHODS if not callable(getattr(value, m, None))]
     if missing:
@@ -196,6 +201,10 @@ class BackendSpec:
     (the default), "int8", "int4" (``MoEConfig.weight_scheme``). The resolver rejects a
     backend for a format it does not declare, before its gate is asked; a backend that runs
     only some schemes of a format rejects the others in ``supports_config``.
+
+    ``max_tokens``: the largest token bucket the backend is routed (a decode kernel that
+    loses to GEMM kernels beyond it); None: every bucket. Buckets above it go to the next
+    backend without such a limit, under every policy; forced, the backend runs every call.
     """
 
     name: str = attrs.field(converter=_normalize, validator=_check_name)
@@ -210,6 +219,11 @@ class BackendSpec:
     env_vars: tuple[str, ...] = attrs.field(default=(), converter=_names_converter, kw_only=True)
     weights: tuple[str, ...] = attrs.field(default=("float",), converter=_names_converter,
                                            validator=_check_weights, kw_only=True)
+    max_tokens: int | None = attrs.field(default=None, validator=_check_max_tokens, kw_only=True)
+
+    def serves(self, tokens: int) -> bool:
+        """Whether calls of ``tokens`` tokens may be routed to this backend."""
+        return self.max_tokens is None or tokens <= self.max_tokens
 
 
 @attrs.frozen(slots=True)

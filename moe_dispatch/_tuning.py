@@ -68,6 +68,13 @@ def pick_winner(medians: dict[str, float], default: str, margin: float = SWITCH_
     return best
 
 
+Serves = Callable[[str, int], bool]  # may this candidate be routed calls of T tokens?
+
+
+def _everywhere(name: str, tokens: int) -> bool:
+    return True
+
+
 def _time_bucket(runners: dict[str, Runner], names: list[str], config: MoEConfig, tokens: int,
                  reps: int, flush: CacheFlush) -> dict[str, float]:
     """Medians of rounds, each call on cold caches (``CacheFlush`` says why; its buffer lives
@@ -83,7 +90,8 @@ def _budget_spent(measured: int, total: int, budget_s: float, fill: str) -> None
 
 
 def measure(runners: dict[str, Runner], config: MoEConfig, sizes: list[int], budget_s: float,
-            default: str, reps: int = 5) -> tuple[dict[int, str], Timings]:
+            default: str, reps: int = 5, serves: Serves = _everywhere
+            ) -> tuple[dict[int, str], Timings]:
     """policy="fastest": every runner at every bucket size, round-robin, medians. Buckets
     left when the budget runs out get ``default`` (the priority choice)."""
     start = time.perf_counter()
@@ -100,13 +108,18 @@ def measure(runners: dict[str, Runner], config: MoEConfig, sizes: list[int], bud
         if elapsed > 1.0:
             log.info("moe-dispatch: tuning %s: bucket %d/%d (T=%d), %.1f s so far",
                      config.describe(), n, len(sizes), tokens, elapsed)
-        timings[tokens] = _time_bucket(runners, sorted(runners), config, tokens, reps, flush)
+        names = [n for n in sorted(runners) if serves(n, tokens)]
+        if not names:
+            table[tokens] = default
+            continue
+        timings[tokens] = _time_bucket(runners, names, config, tokens, reps, flush)
         table[tokens] = pick_winner(timings[tokens], default)
     return table, timings
 
 
 def measure_adaptive(runners: dict[str, Runner], config: MoEConfig, sizes: list[int],
-                     budget_s: float, default: str) -> tuple[dict[int, str], Timings]:
+                     budget_s: float, default: str, serves: Serves = _everywhere
+                     ) -> tuple[dict[int, str], Timings]:
     """policy="auto": probe, bisect where winners differ, drop clear losers, within the
     budget (the module docstring has the rules)."""
     start = time.perf_counter()
@@ -119,6 +132,9 @@ def measure_adaptive(runners: dict[str, Runner], config: MoEConfig, sizes: list[
     def measure_at(i: int) -> bool:
         below = [j for j in timings if j < i]
         names = alive_after[max(below)] if below else sorted(runners)
+        names = [m for m in names if serves(m, sizes[i])]
+        if not names:
+            return True
         elapsed = time.perf_counter() - start
         reps = 5 if sizes[i] <= 64 else 3
         if below:  # linear in T from the nearest measured bucket: an overestimate at decode
@@ -236,8 +252,12 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
     else:
         prepare_all(names)
         runners = _working_runners(prepared, chosen.name, config, runner)
+        def serves(name: str, tokens: int) -> bool:
+            return records[name].spec.serves(tokens)
+
         fn = measure_adaptive if options.adaptive else measure
-        table, timings = fn(runners, config, sizes, options.budget_s, chosen.name)
+        table, timings = fn(runners, config, sizes, options.budget_s, chosen.name, serves=serves)
+        table = _within_limits(table, timings, sizes, {n: records[n] for n in prepared})
         measured = set(timings)
         if cache is not None:
             cache.put(key, table, timings, config)
@@ -249,6 +269,27 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
              for t in sizes}
     left = f" ({', '.join(skipped)} not prepared: memory)" if skipped else ""
     return routes, tuned, f"{how}; candidates {', '.join(n for n in names if n not in skipped)}{left}"
+
+
+def _within_limits(table: dict[int, str], timings: Timings, sizes: list[int],
+                   records: dict[str, BackendRecord]) -> dict[int, str]:
+    """The table with every bucket routed to a candidate that serves it
+    (``BackendSpec.max_tokens``): a bucket whose winner does not serve it takes the fastest
+    candidate that does at the nearest measured bucket, else the first unlimited one in
+    priority order."""
+    where = {t: i for i, t in enumerate(sizes)}
+    out = dict(table)
+    for t in sizes:
+        if records[out[t]].spec.serves(t):
+            continue
+        for m in sorted(timings, key=lambda m: (abs(where[m] - where[t]), m)):
+            ok = {n: ms for n, ms in timings[m].items() if n in records and records[n].spec.serves(t)}
+            if ok:
+                out[t] = min(ok, key=lambda n: (ok[n], n))
+                break
+        else:
+            out[t] = next((n for n in records if records[n].spec.serves(t)), out[t])
+    return out
 
 
 def available_bytes() -> int | None:

@@ -237,3 +237,29 @@ def test_candidates_are_not_prepared_without_the_memory_for_them(default_policy,
     assert large.prepared == 0 and set(layer.tuned_table.values()) == {"small"}
     assert "'large' not prepared for tuning" in caplog.text
     assert "(large not prepared: memory)" in layer.explain()
+
+
+def test_a_backend_with_max_tokens_serves_only_buckets_up_to_it(default_policy):
+    """BackendSpec.max_tokens: never timed nor routed above it, under every policy; forced,
+    it runs every call."""
+    decode, gemm = Paced(1, 1), Paced(4, 3)  # decode is the fastest everywhere it may run
+    w = random_weights(CFG)
+    reg = md.Registry(load_entry_points=False)
+    reg.register(md.BackendSpec("decode", 50, decode, max_tokens=4))
+    reg.register(md.BackendSpec("gemm", 40, gemm))
+    with md.use_registry(reg):
+        for policy in ("auto", "fastest", "priority"):
+            decode.calls.clear()
+            layer = md.MoELayer(CFG, policy=policy, tune_max_tokens=CAP, tuning_cache=False)
+            layer.load_weights(**w).prepare()
+            assert layer.tuned_table == {1: "decode", 2: "decode", 4: "decode", 8: "gemm",
+                                         16: "gemm", 32: "gemm", 64: "gemm"}, policy
+            assert max(decode.calls, default=0) <= 4, (policy, decode.calls)
+            for tokens in (3, 5, 100):
+                _check(layer, w, tokens, seed=tokens)
+            assert decode.calls[5] == 0 and decode.calls[100] == 0 and decode.calls[3] >= 1
+            if policy == "priority":
+                assert "decode serves T <= 4 (its max_tokens); larger calls run on gemm" in layer.explain()
+        forced = md.MoELayer(CFG, backend="decode").load_weights(**w).prepare()
+        _check(forced, w, 100)
+        assert decode.calls[100] == 1
