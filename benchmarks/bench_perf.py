@@ -41,7 +41,7 @@ CONFIGS = {
     "C1": dict(num_experts=8, top_k=2, hidden_size=1024, intermediate_size=1408),
 }
 TOKENS = (1, 8, 128, 512)
-BUILTINS = ("zentorch", "vllm", "amx_grouped", "onednn", "torch")
+BUILTINS = ("zentorch", "native", "vllm", "amx_grouped", "onednn", "torch")
 RAW_OF = {"zentorch": "raw:zentorch op", "vllm": "raw:vllm kernel"}
 
 

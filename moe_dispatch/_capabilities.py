@@ -37,7 +37,9 @@ class Capabilities:
     cpu_model_id: int | None = None
     zen_generation: int | None = None  # 1..5 on AMD Zen, else None
     avx2: bool = False
+    fma_f16c: bool = False  # FMA3 and F16C (with AVX2 on every x86 CPU since Haswell / Zen 1)
     avx512: bool = False  # avx512f
+    avx512_bw_vl: bool = False  # AVX-512 BW and VL (byte/word ops, 256-bit forms)
     avx512_bf16: bool = False
     avx512_vnni: bool = False  # int8 dot products (vpdpbusd) on 512-bit registers
     avx512_fp16: bool = False
@@ -218,7 +220,9 @@ def _detect() -> Capabilities:
         cpu_model_id=model,
         zen_generation=zen,
         avx2=_torch_probe("_is_avx2_supported") or "avx2" in flags,
+        fma_f16c={"fma", "f16c"} <= flags,
         avx512=_torch_probe("_is_avx512_supported"),
+        avx512_bw_vl=_torch_probe("_is_avx512_supported") and {"avx512bw", "avx512vl"} <= flags,
         avx512_bf16=_torch_probe("_is_avx512_bf16_supported"),
         # torch has no VNNI probe: the cpuinfo flag, where the OS enables AVX-512 at all.
         avx512_vnni=_torch_probe("_is_avx512_supported") and "avx512_vnni" in flags,
@@ -237,16 +241,20 @@ def _preset_table() -> dict[str, Capabilities]:
     sw: dict[str, Any] = dict(threads=2, torch_version=torch.__version__, mkldnn=True)
     spr = Capabilities(cpu_vendor="Intel", cpu_model="Intel(R) Xeon(R) Platinum 8480+",
                        arch="x86_64", cpu_family=6, cpu_model_id=0x8F, avx2=True, avx512=True,
+                       fma_f16c=True, avx512_bw_vl=True,
                        avx512_bf16=True, avx512_vnni=True, avx512_fp16=True, amx_tile=True,
                        amx_bf16=True, **sw)
     icx = Capabilities(cpu_vendor="Intel", cpu_model="Intel(R) Xeon(R) Platinum 8380",
                        arch="x86_64", cpu_family=6, cpu_model_id=0x6A, avx2=True, avx512=True,
+                       fma_f16c=True, avx512_bw_vl=True,
                        avx512_vnni=True, **sw)
     zen3 = Capabilities(cpu_vendor="AMD", cpu_model="AMD EPYC 7763", arch="x86_64",
-                        cpu_family=0x19, cpu_model_id=0x01, zen_generation=3, avx2=True, **sw)
+                        cpu_family=0x19, cpu_model_id=0x01, zen_generation=3, avx2=True,
+                        fma_f16c=True, **sw)
     zen4 = Capabilities(cpu_vendor="AMD", cpu_model="AMD EPYC 9654", arch="x86_64",
                         cpu_family=0x19, cpu_model_id=0x11, zen_generation=4, avx2=True,
-                        avx512=True, avx512_bf16=True, avx512_vnni=True, **sw)
+                        fma_f16c=True, avx512=True, avx512_bw_vl=True, avx512_bf16=True,
+                        avx512_vnni=True, **sw)
     zen5 = zen4.evolve(cpu_model="AMD EPYC 9755", cpu_family=0x1A, cpu_model_id=0x02,
                        zen_generation=5)
     neoverse = Capabilities(cpu_vendor="ARM", cpu_model="Neoverse-V1", arch="aarch64", **sw)

@@ -16,7 +16,7 @@ from .kernels import schema_arguments, schema_problem
 FRAMEWORK_ENV = ("MOE_DISPATCH_BACKEND", "MOE_DISPATCH_DISABLE", "MOE_DISPATCH_PLUGINS",
                  "MOE_DISPATCH_STRICT", "MOE_DISPATCH_POLICY", "MOE_DISPATCH_TUNING_CACHE",
                  "OMP_NUM_THREADS")
-ISA = ("avx2", "avx512", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16", "mkldnn")
+ISA = ("avx2", "fma_f16c", "avx512", "avx512_bw_vl", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16", "mkldnn")
 
 
 def env_vars(records: tuple[BackendRecord, ...]) -> tuple[str, ...]:

@@ -38,6 +38,10 @@ if .venv/bin/python -c "import zentorch" >/dev/null 2>&1; then
   .venv/bin/python -m moe_dispatch_backends.zentorch.native \
     || echo "setup: the zentorch native entry is unavailable; its Python path runs" >&2
 fi
+# The native backend's kernel (moe-dispatch's own decode kernel), for the ISA builds this
+# CPU runs (~50 s each). Not fatal: without it the backend rejects with the reason.
+.venv/bin/python -m moe_dispatch_backends.native \
+  || echo "setup: the native kernel is unavailable; the other backends run" >&2
 # The same for the vllm backend's C++ entry, where vLLM's kernels are installed.
 if .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" >/dev/null 2>&1; then
   .venv/bin/python -m moe_dispatch_backends.vllm_cpu.native \

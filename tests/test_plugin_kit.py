@@ -19,7 +19,7 @@ from moe_dispatch.testing.conformance import (backend_kinds, backend_machines, n
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "examples" / "vendor_plugin"
-BUILTINS = ["zentorch", "vllm", "amx_grouped", "onednn", "torch"]
+BUILTINS = ["zentorch", "native", "vllm", "amx_grouped", "onednn", "torch"]
 
 
 def _example_installed() -> bool:

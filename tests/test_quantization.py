@@ -162,7 +162,7 @@ def test_only_backends_that_declare_the_format_are_asked():
     scheme = md.QuantScheme("int8")
     cfg = md.MoEConfig(8, 2, 64, 64, weight_scheme=scheme)
     res = md.resolve(cfg)
-    declared = ("zentorch", "torch_woq", "torch")  # the built-ins that declare int8
+    declared = ("zentorch", "native", "torch_woq", "torch")  # the built-ins that declare int8
     assert res.backend in declared
     for cand in res.candidates:
         if cand.name not in declared:

@@ -62,6 +62,7 @@ class NativeExtension:
 
     def __init__(self, name: str, sources: Sequence[Path], *, switch: str, dir_env: str,
                  what: str, extra_cflags: Sequence[str] = ("-O2",),
+                 extra_ldflags: Sequence[str] = (),
                  before_build: Callable[[], None] | None = None,
                  build_command: str | None = None) -> None:
         self.name, self.sources, self.what = name, [str(s) for s in sources], what
@@ -71,6 +72,7 @@ class NativeExtension:
         # and it hashes only the sources, not the headers they include.
         digest = hashlib.sha256((INCLUDE_DIR / "moe_dispatch_fast_call.h").read_bytes()).hexdigest()
         self.extra_cflags = list(extra_cflags) + [f"-DMOE_DISPATCH_TOOLKIT_H={digest[:16]}"]
+        self.extra_ldflags = list(extra_ldflags)
         self.before_build = before_build
         self.verbose = False
         self._lock = threading.Lock()
@@ -164,7 +166,8 @@ class NativeExtension:
                      self.what, directory)
             with _ninja_on_path():
                 module = build(name=self.name, sources=self.sources, build_directory=str(directory),
-                               extra_cflags=self.extra_cflags, verbose=self.verbose,
+                               extra_cflags=self.extra_cflags,
+                               extra_ldflags=self.extra_ldflags, verbose=self.verbose,
                                extra_include_paths=[str(INCLUDE_DIR)])
         except Exception as exc:  # a failed build degrades to the Python path, never breaks it
             # The first line only (a compiler log follows it); a verbose build shows all.

@@ -1,0 +1,128 @@
+"""The native backend: moe-dispatch's own fused MoE decode kernel (``kernel.cpp``).
+
+Decode reads each active expert's weights once per call, so its speed is the bandwidth at
+which the weights stream. This kernel fuses w13, the activation, w2 and the weighted
+combine, splits every expert's rows between the cores, and runs bf16 weights (widened in
+registers) and int8 / int4 weights (integer dot products on activations quantized per block
+of 32, llama.cpp's design). docs/architecture.md, "The native decode kernel", has the
+layout and the schedule.
+
+It serves decode: ``max_tokens`` keeps it to buckets of up to 16 tokens (a GEMV per token
+and expert loses to the GEMM kernels beyond that); larger calls route to the next backend.
+Forced (``backend="native"``), it runs every T, correctly.
+
+The kernel is built on first use for the ISA the machine has (``kernel``); without a
+compiler or after a failed build the backend rejects with the reason, and the others run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any, Mapping
+
+import attrs
+import torch
+
+import moe_dispatch as md
+from moe_dispatch.kernels import dtype_name, id_range
+
+from . import kernel
+from ._pack import experts_args
+
+NAME = "native"
+PRIORITY = 375
+MAX_TOKENS = 16
+_I32, _F32 = torch.int32, torch.float32
+ERROR_BOUND = 2e-2  # int8/int4 weights: activations quantized per block of 32 (measured below it)
+
+
+@attrs.frozen(slots=True, eq=False)
+class NativeState:
+    config: md.MoEConfig
+    experts: Any  # the kernel's Experts object
+    module: Any
+    isa: str
+
+
+def _format(config: md.MoEConfig) -> str:
+    s = config.weight_scheme
+    return "bf16" if s is None else s.describe()
+
+
+class NativeBackend(md.BackendBase):
+    def supports_config(self, config: md.MoEConfig, capabilities: md.Capabilities) -> md.Decision:
+        ext = kernel.EXTENSIONS["avx2"]
+        if ext.disabled():
+            return md.reject(f"{kernel.SWITCH}={os.environ.get(kernel.SWITCH)}: the native "
+                             "backend is off")
+        isa, why = kernel.isa_for(capabilities)
+        if isa is None:
+            return md.reject(why)
+        if config.weight_scheme is None and config.dtype != torch.bfloat16:
+            return md.reject(f"float weights: the kernel streams bfloat16 weights; the config has "
+                             f"{dtype_name(config.dtype)} (left to the other backends)")
+        if config.weight_scheme is not None and config.dtype not in (torch.bfloat16, torch.float32):
+            return md.reject(f"quantized weights with {dtype_name(config.dtype)} activations: the "
+                             "kernel takes bfloat16 or float32 activations")
+        return md.accept(f"fused decode kernel ({why}, {_format(config)} weights)")
+
+    def supports_layer(self, weights: md.LayerWeights, capabilities: md.Capabilities) -> md.Decision:
+        for name, t in weights.tensors():
+            if t.device.type != "cpu" or t.layout != torch.strided:
+                return md.reject(f"{name} must be a dense CPU tensor (got {t.device}, {t.layout})")
+        isa, why = kernel.isa_for(capabilities)
+        if isa is None:
+            return md.reject(why)
+        if kernel.load(isa) is None:  # built here on first use
+            return md.reject(f"the {isa} build is unavailable: {kernel.status(isa)}")
+        return md.accept(f"private copies in the kernel's layout ({isa} build)")
+
+    def process_weights(self, weights: md.LayerWeights, capabilities: md.Capabilities) -> NativeState:
+        isa, why = kernel.isa_for(capabilities)
+        module = kernel.load(isa) if isa is not None else None
+        if module is None:
+            raise RuntimeError(f"the native kernel is unavailable: {why}")
+        experts = module.Experts(*experts_args(weights.config, weights))
+        return NativeState(weights.config, experts, module, isa)
+
+    def apply(self, state: NativeState, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        c = state.config
+        if hidden_states.shape[0] == 0:
+            return torch.empty_like(hidden_states)
+        lo, hi = id_range(topk_ids)  # the kernel checks too, before reading any weight
+        if lo < 0 or hi >= c.num_experts:
+            raise IndexError(f"topk_id value {lo if lo < 0 else hi} is outside [0, {c.num_experts})")
+        ids = topk_ids if topk_ids.dtype is _I32 and topk_ids.is_contiguous() else \
+            topk_ids.to(_I32).contiguous()
+        tw = topk_weights if topk_weights.dtype is _F32 and topk_weights.is_contiguous() else \
+            topk_weights.to(_F32).contiguous()
+        return state.experts.forward(hidden_states.contiguous(), tw, ids,
+                                     c.apply_router_weight_on_input)
+
+    def fast_call(self, state: NativeState, guard: md.FastGuard) -> Any:
+        c = state.config
+        return state.module.FastCall(state.experts, c.apply_router_weight_on_input, c.hidden_size,
+                                     c.top_k, c.num_experts, c.dtype, list(guard.watched),
+                                     list(guard.versions))
+
+    def diagnostics(self) -> Mapping[str, str]:
+        return {"native kernel": kernel.describe()}
+
+
+def _version() -> str:
+    # The kernel's source hash: a tuning table measured with another kernel is not reused.
+    return "src-" + hashlib.sha256(kernel.SOURCE.read_bytes()).hexdigest()[:12]
+
+
+@md.hookimpl
+def moe_dispatch_backends() -> list[md.BackendSpec]:
+    return [md.BackendSpec(NAME, PRIORITY, NativeBackend(),
+                           description="moe-dispatch's fused MoE decode kernel (bf16, int8, int4)",
+                           version=_version(), validates_ids=True,
+                           weights=("float", "int8", "int4"), max_tokens=MAX_TOKENS,
+                           env_vars=(kernel.SWITCH, kernel.ISA_ENV, kernel.DIR_ENV))]
+
+
+__all__ = ["NAME", "PRIORITY", "NativeBackend", "NativeState"]

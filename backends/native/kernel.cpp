@@ -1,0 +1,498 @@
+// moe-dispatch's own fused MoE decode kernel (the "native" backend; docs/architecture.md,
+// "The native decode kernel"). Built twice by kernel.py, each build for one ISA:
+//   avx2:   -mavx2 -mfma -mf16c                       (every x86 CPU this project runs on)
+//   avx512: the above plus AVX-512 F/BW/VL/VNNI/BF16  (Zen 4 and newer, Sapphire Rapids...)
+// and the build to load is chosen from the machine's Capabilities, never -march=native.
+//
+// Decode streams each active expert's weights once per call, so it is bound by memory
+// bandwidth if the arithmetic keeps up. The schedule that does:
+//   1. inputs: each token's x (scaled by its router weight when that goes on the input)
+//      into fp32 in the dot product's layout: interleaved for bf16 weights, int8 blocks of
+//      32 with one fp32 scale each for int8/int4 weights (quantized on the fly, as llama.cpp
+//      does: the integer dot product is what keeps up with DRAM on AVX2);
+//   2. w13 and the activation, fused: work items are (expert, block of 16 intermediate
+//      units); each computes the gate and up rows of its units for every token routed to
+//      the expert and writes the activated values. Items are split into one contiguous
+//      range per thread, so every core streams its own part of every expert at once;
+//   3. the activated values into the layout of step 1 (tiny: T*K*I values);
+//   4. w2 and the weighted combine, fused: each thread owns a contiguous range of output
+//      columns, reads those rows of every active expert's w2 (expert by expert: one long
+//      stream each), and adds each pair's weighted contribution. No atomics, no reduction.
+// The intermediate (T*K*2I floats) never leaves the caches.
+//
+// Weight layouts (packed by _pack.py at prepare(); the reduction axis padded to 32 with
+// zeros, which the zero-padded inputs make exact):
+//   bf16: [E, N, Kp] uint16 as stored;
+//   int8: [E, N, Kp] int8; value = q * scale;
+//   int4: [E, N, Kp/2] uint8; in each block of 32 values byte j holds value j in its low
+//         nibble and value j + 16 in its high one; value = (u - zero) * scale, u in 0..15;
+//   scales: fp32 [E, N, 1] (one per row) or fp16 [E, N, groups] (one per group of
+//   32 * blocks_per_group values); zeros: uint8 [E, N, groups], or one constant offset.
+// The integer block dot is exact: sum(u * xq) - zero * sum(xq), in int32.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <moe_dispatch_fast_call.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#define MD_AVX512 1
+constexpr const char* kIsa = "avx512";
+constexpr int64_t kLanes = 32;  // bf16 values per 512-bit load: the input interleave width
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define MD_AVX512 0
+constexpr const char* kIsa = "avx2";
+constexpr int64_t kLanes = 16;
+#else
+#error "kernel.cpp is built with -mavx2 -mfma -mf16c at least (kernel.py sets the flags)"
+#endif
+
+namespace {
+
+namespace py = pybind11;
+using OptTensor = std::optional<at::Tensor>;
+
+enum Format : int64_t { kBf16 = 0, kInt8 = 1, kInt4 = 2 };
+enum Act : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2, kSwigluOai = 3 };
+constexpr int64_t kBlock = 32;  // values per quantization block
+constexpr int64_t kUnits = 16;  // intermediate units per work item of step 2
+constexpr int64_t kCols = 16;   // output columns per work item of step 4
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One projection in the kernel's layout; raw pointers resolved once (a Tensor accessor per
+// row costs more than the row's arithmetic: measured 8 ms per C2 call with them).
+struct Proj {
+  at::Tensor q, scales, zeros;  // held for their storage; zeros undefined: the offset applies
+  const uint8_t* base = nullptr;
+  const float* s32 = nullptr;
+  const uint16_t* s16 = nullptr;
+  const uint8_t* z = nullptr;
+  int64_t rows = 0, kp = 0, row_bytes = 0, groups = 1, bpg = 1, offset = 0;
+  const uint8_t* row(int64_t e, int64_t r) const { return base + (e * rows + r) * row_bytes; }
+};
+
+// An input vector in the layout of the weights' dot product: fp32 interleaved (bf16), or
+// int8 blocks with their scales and sums (int8/int4).
+struct Inputs {
+  int64_t kp = 0, n = 0;
+  bool quantized = false;
+  std::vector<float> f;       // [n, kp]
+  std::vector<int8_t> q;      // [n, kp]
+  std::vector<float> d;       // [n, kp/32]
+  std::vector<int32_t> sums;  // [n, kp/32]
+  void init(int64_t n_, int64_t kp_, bool quantized_) {
+    n = n_, kp = kp_, quantized = quantized_;
+    if (quantized) {
+      q.assign(n * kp, 0);
+      d.assign(n * (kp / kBlock), 0.f);
+      sums.assign(n * (kp / kBlock), 0);
+    } else {
+      f.assign(n * kp, 0.f);
+    }
+  }
+  // Fill vector i from len fp32 values (the rest of kp stays zero).
+  void set(int64_t i, const float* v, int64_t len) {
+    if (!quantized) {
+      float* out = f.data() + i * kp;
+      for (int64_t k = 0; k < len; ++k) {  // within each kLanes block: evens, then odds
+        const int64_t base = k - k % kLanes, j = k % kLanes;
+        out[base + (j % 2) * (kLanes / 2) + j / 2] = v[k];
+      }
+      return;
+    }
+    const int64_t nb = kp / kBlock;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t lo = b * kBlock, hi = std::min(len, lo + kBlock);
+      float amax = 0.f;
+      for (int64_t k = lo; k < hi; ++k) amax = std::max(amax, std::fabs(v[k]));
+      const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t s = 0;
+      int8_t* out = q.data() + i * kp + lo;
+      for (int64_t k = lo; k < hi; ++k) {
+        const int32_t r = static_cast<int32_t>(std::nearbyint(v[k] * inv));
+        out[k - lo] = static_cast<int8_t>(r);
+        s += r;
+      }
+      d[i * nb + b] = scale;
+      sums[i * nb + b] = s;
+    }
+  }
+};
+
+// Software prefetch this far ahead of each row's stream: with two rows at once (two
+// streams, one shared input) it lifts 2-core streaming on a Zen 1 from 16 to 22 GB/s
+// (measured in a standalone loop; the plain read loop reached 20).
+constexpr int64_t kAhead = 2048;
+
+inline void prefetch(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + kAhead, _MM_HINT_T0);
+}
+
+// Rows w0 and w1 dotted with one input (interleaved fp32), into o[0], o[1].
+void dot2_bf16(const uint16_t* w0, const uint16_t* w1, const float* x, int64_t kp, float* o) {
+#if MD_AVX512
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t k = 0; k < kp; k += 32) {
+    prefetch(w0 + k);
+    prefetch(w1 + k);
+    const __m512 xe = _mm512_loadu_ps(x + k), xo = _mm512_loadu_ps(x + k + 16);
+    const __m512i v0 = _mm512_loadu_si512(w0 + k), v1 = _mm512_loadu_si512(w1 + k);
+    a0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v0, 16)), xe, a0);
+    a1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v0, mask)), xo, a1);
+    b0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v1, 16)), xe, b0);
+    b1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v1, mask)), xo, b1);
+  }
+  o[0] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  o[1] = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
+#else
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+  const __m256i mask = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t k = 0; k < kp; k += 16) {
+    if ((k & 31) == 0) {  // one cache line of each row per 32 values
+      prefetch(w0 + k);
+      prefetch(w1 + k);
+    }
+    const __m256 xe = _mm256_loadu_ps(x + k), xo = _mm256_loadu_ps(x + k + 8);
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + k));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1 + k));
+    a0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), xe, a0);
+    a1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v0, mask)), xo, a1);
+    b0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), xe, b0);
+    b1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v1, mask)), xo, b1);
+  }
+  o[0] = hsum(_mm256_add_ps(a0, a1));
+  o[1] = hsum(_mm256_add_ps(b0, b1));
+#endif
+}
+
+// sum over 32 products of unsigned u (0..255, at most 128 for |int8|) and signed x.
+inline __m256i block_dot(__m256i u, __m256i x) {
+#if MD_AVX512
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+#endif
+}
+
+inline __m256i int4_block(const uint8_t* p) {  // 16 bytes -> 32 values 0..15 in order
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+// Rows r0 and r1 of a quantized projection dotted with input vector i, into o[0], o[1].
+template <bool kFour>
+void dot2_quant(const Proj& p, int64_t e, int64_t r0, int64_t r1, const Inputs& in, int64_t i,
+                float* o) {
+  const int64_t nb = p.kp / kBlock, bw = kFour ? kBlock / 2 : kBlock;  // bytes per block
+  const int64_t lines = kFour ? 3 : 1;  // prefetch once per 64 bytes: every 4 or 2 blocks
+  const int64_t g0 = (e * p.rows + r0) * p.groups, g1 = (e * p.rows + r1) * p.groups;
+  const uint8_t* w0 = p.row(e, r0);
+  const uint8_t* w1 = p.row(e, r1);
+  const int8_t* xq = in.q.data() + i * p.kp;
+  const float* xd = in.d.data() + i * nb;
+  const int32_t* xs = in.sums.data() + i * nb;
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  float corr0 = 0.f, corr1 = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    if ((b & lines) == 0) {
+      prefetch(w0 + b * bw);
+      prefetch(w1 + b * bw);
+    }
+    const int64_t g = b / p.bpg;
+    const float s0 = (p.s16 ? _cvtsh_ss(p.s16[g0 + g]) : p.s32[g0 + g]) * xd[b];
+    const float s1 = (p.s16 ? _cvtsh_ss(p.s16[g1 + g]) : p.s32[g1 + g]) * xd[b];
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+    __m256i d0, d1;
+    if constexpr (kFour) {
+      d0 = block_dot(int4_block(w0 + b * bw), x);
+      d1 = block_dot(int4_block(w1 + b * bw), x);
+      const float sum = static_cast<float>(xs[b]);
+      corr0 += s0 * sum * static_cast<float>(p.z ? p.z[g0 + g] : p.offset);
+      corr1 += s1 * sum * static_cast<float>(p.z ? p.z[g1 + g] : p.offset);
+    } else {
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + b * bw));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1 + b * bw));
+      d0 = block_dot(_mm256_sign_epi8(v0, v0), _mm256_sign_epi8(x, v0));
+      d1 = block_dot(_mm256_sign_epi8(v1, v1), _mm256_sign_epi8(x, v1));
+    }
+    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(s0), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(s1), acc1);
+  }
+  o[0] = hsum(acc0) - corr0;
+  o[1] = hsum(acc1) - corr1;
+}
+
+inline void row_dot2(int64_t fmt, const Proj& p, int64_t e, int64_t r0, int64_t r1,
+                     const Inputs& in, int64_t i, float* o) {
+  if (fmt == kBf16)
+    dot2_bf16(reinterpret_cast<const uint16_t*>(p.row(e, r0)),
+              reinterpret_cast<const uint16_t*>(p.row(e, r1)), in.f.data() + i * p.kp, p.kp, o);
+  else if (fmt == kInt4)
+    dot2_quant<true>(p, e, r0, r1, in, i, o);
+  else
+    dot2_quant<false>(p, e, r0, r1, in, i, o);
+}
+
+constexpr float kSwigluAlpha = 1.702f, kSwigluLimit = 7.f;
+
+inline float activate(int64_t act, float gate, float up) {
+  switch (act) {
+    case kSilu: return gate / (1.f + std::exp(-gate)) * up;
+    case kGelu: return 0.5f * gate * (1.f + std::erf(gate * static_cast<float>(M_SQRT1_2))) * up;
+    case kGeluTanh: {
+      const float c = std::sqrt(2.f / static_cast<float>(M_PI));
+      return 0.5f * gate * (1.f + std::tanh(c * (gate + 0.044715f * gate * gate * gate))) * up;
+    }
+    default: {  // swigluoai: the gate clamped from above only, as gpt-oss does
+      const float g = std::min(gate, kSwigluLimit);
+      const float u = std::max(-kSwigluLimit, std::min(up, kSwigluLimit));
+      return (u + 1.f) * g / (1.f + std::exp(-kSwigluAlpha * g));
+    }
+  }
+}
+
+class Experts {
+ public:
+  Experts(int64_t fmt, int64_t act, int64_t experts, int64_t hidden, int64_t inter,
+          at::Tensor w13, OptTensor w13_scales, OptTensor w13_zeros, int64_t w13_bpg,
+          at::Tensor w2, OptTensor w2_scales, OptTensor w2_zeros, int64_t w2_bpg,
+          int64_t offset, OptTensor b13, OptTensor b2)
+      : fmt_(fmt), act_(act), experts_(experts), hidden_(hidden), inter_(inter),
+        b13_(std::move(b13)), b2_(std::move(b2)) {
+    TORCH_CHECK(fmt >= kBf16 && fmt <= kInt4 && act >= kSilu && act <= kSwigluOai, "format/act");
+    w13_ = make(std::move(w13), std::move(w13_scales), std::move(w13_zeros), w13_bpg, offset, 2 * inter);
+    w2_ = make(std::move(w2), std::move(w2_scales), std::move(w2_zeros), w2_bpg, offset, hidden);
+    TORCH_CHECK(w13_.kp >= hidden && w2_.kp >= inter, "padded reduction axes");
+    for (const OptTensor* b : {&b13_, &b2_})
+      TORCH_CHECK(!b->has_value() || ((*b)->scalar_type() == at::kFloat && (*b)->is_contiguous()),
+                  "biases: contiguous float32");
+  }
+
+  // x [T, H] (float32 or bfloat16, contiguous), tw float32 [T, K], ids int32 [T, K].
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& tw, const at::Tensor& ids,
+                     bool on_input) const {
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.is_contiguous() &&
+                (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), "x");
+    TORCH_CHECK(tw.scalar_type() == at::kFloat && ids.scalar_type() == at::kInt &&
+                tw.is_contiguous() && ids.is_contiguous() && tw.sizes() == ids.sizes() &&
+                ids.dim() == 2 && ids.size(0) == x.size(0), "topk_weights / topk_ids");
+    const int64_t tokens = x.size(0), top_k = ids.size(1), pairs = tokens * top_k;
+    at::Tensor out = at::empty_like(x);
+    if (tokens == 0) return out;
+    const int32_t* id = ids.const_data_ptr<int32_t>();
+    const float* w = tw.const_data_ptr<float>();
+    for (int64_t p = 0; p < pairs; ++p)  // before any weight is read: never out of bounds
+      if (id[p] < 0 || id[p] >= experts_)
+        throw std::out_of_range("topk_id value " + std::to_string(id[p]) + " is outside [0, " +
+                                std::to_string(experts_) + ")");
+    // Pairs grouped by expert (counting sort): expert order, each expert's pairs in order.
+    std::vector<int64_t> start(experts_ + 1, 0), order(pairs);
+    for (int64_t p = 0; p < pairs; ++p) ++start[id[p] + 1];
+    for (int64_t e = 0; e < experts_; ++e) start[e + 1] += start[e];
+    {
+      std::vector<int64_t> fill(start.begin(), start.end() - 1);
+      for (int64_t p = 0; p < pairs; ++p) order[fill[id[p]]++] = p;
+    }
+    std::vector<int64_t> active;  // experts with at least one pair
+    for (int64_t e = 0; e < experts_; ++e)
+      if (start[e + 1] > start[e]) active.push_back(e);
+    const bool quant = fmt_ != kBf16;
+    // 1. inputs: one per token, or one per pair when the router weight goes on the input.
+    Inputs xin;
+    const int64_t sources = on_input ? pairs : tokens;
+    xin.init(sources, w13_.kp, quant);
+    {
+      at::Tensor xf = x.to(at::kFloat).contiguous();
+      const float* xs = xf.const_data_ptr<float>();
+      std::vector<float> row(hidden_);
+      for (int64_t s = 0; s < sources; ++s) {
+        const int64_t t = on_input ? s / top_k : s;
+        const float scale = on_input ? w[s] : 1.f;
+        for (int64_t h = 0; h < hidden_; ++h) row[h] = xs[t * hidden_ + h] * scale;
+        xin.set(s, row.data(), hidden_);
+      }
+    }
+    auto source = [&](int64_t p) { return on_input ? p : p / top_k; };
+    // 2. w13 and the activation, per (active expert, block of units).
+    const int64_t ip = w2_.kp, blocks = (inter_ + kUnits - 1) / kUnits;
+    std::vector<float> act(pairs * ip, 0.f);
+    const float* b13 = b13_ ? b13_->const_data_ptr<float>() : nullptr;
+    at::parallel_for(0, static_cast<int64_t>(active.size()) * blocks, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> gate, up;  // [pairs of the expert, kUnits]
+      for (int64_t item = lo; item < hi; ++item) {
+        const int64_t e = active[item / blocks], u0 = (item % blocks) * kUnits;
+        const int64_t u1 = std::min(inter_, u0 + kUnits), n = start[e + 1] - start[e];
+        gate.resize(n * kUnits);
+        up.resize(n * kUnits);
+        for (int64_t u = u0; u < u1; ++u) {
+          // Canonical rows: gate u and up I + u; interleaved (swigluoai): 2u and 2u + 1.
+          // Each row is read from memory once and reused from L1 by the expert's pairs.
+          const int64_t rg = act_ == kSwigluOai ? 2 * u : u;
+          const int64_t ru = act_ == kSwigluOai ? 2 * u + 1 : inter_ + u;
+          const float bg = b13 ? b13[e * 2 * inter_ + rg] : 0.f, bu = b13 ? b13[e * 2 * inter_ + ru] : 0.f;
+          for (int64_t j = 0; j < n; ++j) {
+            float o[2];
+            row_dot2(fmt_, w13_, e, rg, ru, xin, source(order[start[e] + j]), o);
+            gate[j * kUnits + u - u0] = o[0] + bg;
+            up[j * kUnits + u - u0] = o[1] + bu;
+          }
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          float* a = act.data() + order[start[e] + j] * ip;
+          for (int64_t u = u0; u < u1; ++u)
+            a[u] = activate(act_, gate[j * kUnits + u - u0], up[j * kUnits + u - u0]);
+        }
+      }
+    });
+    // 3. the activated values in the dot product's layout.
+    Inputs ain;
+    ain.init(pairs, ip, quant);
+    for (int64_t p = 0; p < pairs; ++p) ain.set(p, act.data() + p * ip, inter_);
+    // 4. w2 and the weighted combine, per block of output columns (each thread owns its own).
+    const int64_t cols = (hidden_ + kCols - 1) / kCols;
+    const float* b2 = b2_ ? b2_->const_data_ptr<float>() : nullptr;
+    const bool bf16_out = x.scalar_type() == at::kBFloat16;
+    at::BFloat16* out16 = bf16_out ? out.data_ptr<at::BFloat16>() : nullptr;
+    float* out32 = bf16_out ? nullptr : out.data_ptr<float>();
+    at::parallel_for(0, cols, 1, [&](int64_t lo, int64_t hi) {
+      // This thread's columns [h0, h1): expert by expert, so that each expert's rows are
+      // one contiguous stream (h1 - h0 rows of w2[e]) for the prefetcher.
+      const int64_t h0 = lo * kCols, h1 = std::min(hidden_, hi * kCols), width = h1 - h0;
+      std::vector<float> acc(tokens * width, 0.f);
+      for (const int64_t e : active) {
+        // Two rows at once, h and h + half: two streams per thread, as in step 2 (the
+        // middle row of an odd range is computed twice and kept once).
+        const int64_t half = (width + 1) / 2;
+        for (int64_t h = h0; h < h0 + half; ++h) {
+          const int64_t h2 = h + half < h1 ? h + half : h;
+          const float bias0 = b2 ? b2[e * hidden_ + h] : 0.f, bias1 = b2 ? b2[e * hidden_ + h2] : 0.f;
+          for (int64_t slot = start[e]; slot < start[e + 1]; ++slot) {
+            const int64_t p = order[slot];
+            const float scale = on_input ? 1.f : w[p];
+            float o[2];
+            row_dot2(fmt_, w2_, e, h, h2, ain, p, o);
+            float* a = acc.data() + (p / top_k) * width - h0;
+            a[h] += scale * (o[0] + bias0);
+            if (h2 != h) a[h2] += scale * (o[1] + bias1);
+          }
+        }
+      }
+      for (int64_t t = 0; t < tokens; ++t) {
+        for (int64_t h = h0; h < h1; ++h) {
+          const float v = acc[t * width + (h - h0)];
+          if (out16) out16[t * hidden_ + h] = at::BFloat16(v);
+          else out32[t * hidden_ + h] = v;
+        }
+      }
+    });
+    return out;
+  }
+
+ private:
+  Proj make(at::Tensor q, OptTensor scales, OptTensor zeros, int64_t bpg, int64_t offset,
+            int64_t rows) const {
+    Proj p;
+    TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(0) == experts_ && q.size(1) == rows,
+                "weights [E, N, Kp] contiguous");
+    const int64_t width = q.size(2);
+    p.kp = fmt_ == kInt4 ? 2 * width : width;
+    TORCH_CHECK(p.kp % kBlock == 0, "the reduction axis is padded to a multiple of 32");
+    if (fmt_ == kBf16) {
+      TORCH_CHECK(q.scalar_type() == at::kBFloat16, "bf16 weights");
+    } else {
+      TORCH_CHECK(q.scalar_type() == (fmt_ == kInt8 ? at::kChar : at::kByte), "int weights");
+      TORCH_CHECK(scales.has_value() && scales->dim() == 3 && scales->is_contiguous() &&
+                  scales->size(0) == experts_ && scales->size(1) == rows, "scales [E, N, G]");
+      p.scales = *scales;
+      p.groups = p.scales.size(2);
+      if (p.scales.scalar_type() == at::kHalf)
+        p.s16 = reinterpret_cast<const uint16_t*>(p.scales.const_data_ptr<at::Half>());
+      else if (p.scales.scalar_type() == at::kFloat)
+        p.s32 = p.scales.const_data_ptr<float>();
+      else
+        TORCH_CHECK(false, "scales fp16 or fp32");
+      TORCH_CHECK(bpg >= 1 && p.groups * bpg >= p.kp / kBlock, "blocks per group");
+      if (zeros.has_value()) {
+        TORCH_CHECK(zeros->scalar_type() == at::kByte && zeros->sizes() == scales->sizes() &&
+                    zeros->is_contiguous(), "zeros uint8 like scales");
+        p.zeros = *zeros;
+        p.z = p.zeros.const_data_ptr<uint8_t>();
+      }
+    }
+    p.row_bytes = q.element_size() * width;
+    p.q = std::move(q);
+    p.base = static_cast<const uint8_t*>(p.q.const_data_ptr());
+    p.rows = rows;
+    p.bpg = bpg;
+    p.offset = offset;
+    return p;
+  }
+
+  int64_t fmt_, act_, experts_, hidden_, inter_;
+  Proj w13_, w2_;
+  OptTensor b13_, b2_;
+};
+
+// The layer's plain calls (BackendBase.fast_call): the toolkit's checks, then forward.
+class FastCall {
+ public:
+  FastCall(std::shared_ptr<Experts> experts, bool on_input, int64_t hidden, int64_t top_k,
+           int64_t n_experts, at::ScalarType dtype, std::vector<at::Tensor> watched,
+           std::vector<int64_t> versions)
+      : experts_(std::move(experts)), on_input_(on_input),
+        spec_(hidden, top_k, n_experts, dtype, std::move(watched), std::move(versions)) {}
+
+  py::object operator()(py::handle x, py::handle tw, py::handle ids) const {
+    const std::optional<moe_dispatch::PlainCall> call = moe_dispatch::PlainCall::check(spec_, x, tw, ids);
+    if (!call) return py::none();
+    at::Tensor out;
+    {
+      py::gil_scoped_release no_gil;
+      out = experts_->forward(*call->x, *call->topk_weights, *call->topk_ids, on_input_);
+    }
+    return moe_dispatch::wrap(std::move(out));
+  }
+
+ private:
+  std::shared_ptr<Experts> experts_;
+  bool on_input_;
+  moe_dispatch::PlainSpec spec_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "moe-dispatch: the native backend's fused MoE decode kernel";
+  m.attr("ISA") = kIsa;
+  m.attr("LANES") = kLanes;
+  py::class_<Experts, std::shared_ptr<Experts>>(m, "Experts")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, at::Tensor, OptTensor, OptTensor,
+                    int64_t, at::Tensor, OptTensor, OptTensor, int64_t, int64_t, OptTensor,
+                    OptTensor>())
+      .def("forward", &Experts::forward, py::call_guard<py::gil_scoped_release>());
+  py::class_<FastCall>(m, "FastCall")
+      .def(py::init<std::shared_ptr<Experts>, bool, int64_t, int64_t, int64_t, at::ScalarType,
+                    std::vector<at::Tensor>, std::vector<int64_t>>())
+      .def("__call__", &FastCall::operator());
+}

@@ -1,0 +1,93 @@
+"""The native decode kernel beside every other candidate, at decode token counts.
+
+Usage:
+    .venv/bin/python benchmarks/bench_native.py [--config C2 C1] [--tokens 1,2,4,8] [--reps 15]
+
+Per config, in one process and one round-robin per token count (shuffled rounds, medians,
+a fresh routing from a pool of 8 per round, a 128 MiB read between calls so that every call
+starts on cold caches as decode does in a real model):
+- bf16: every accepting backend forced, the raw vLLM kernel and the raw zentorch op (where
+  they run), and the default (``policy="auto"``, tuned fresh);
+- int8 (per channel) and int4 (g128), quantized from the same float weights: the native
+  kernel forced, every other accepting quantized backend forced, and the default.
+Printed per row: ms per call; the native kernel's effective bandwidth on the active weight
+bytes (bytes of one expert x distinct experts of the call / time) as a share of this run's
+DRAM read ceiling (a 1 GiB ``torch.sum``); and its speed-up over the fastest other bf16
+candidate (for bf16: over the fastest other candidate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import moe_dispatch as md
+from moe_dispatch._timing import CacheFlush, time_rounds
+from moe_dispatch.testing import random_inputs
+
+from bench_backends import CONFIGS, raw_kernels
+from bench_perf import ceilings
+
+SCHEMES = {"int8": md.QuantScheme("int8"), "int4g128": md.QuantScheme("int4", group_size=128)}
+
+
+def _accepting(config: md.MoEConfig) -> list[str]:
+    return [c.name for c in md.resolve(config).candidates if c.decision.accepted]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", nargs="+", default=["C2", "C1"], choices=sorted(CONFIGS))
+    p.add_argument("--tokens", default="1,2,4,8")
+    p.add_argument("--reps", type=int, default=15)
+    args = p.parse_args(argv)
+    dram = ceilings(torch.bfloat16)["read_gbs"]
+    print(f"machine: {md.Capabilities.detect().fingerprint()}, {torch.get_num_threads()} threads; "
+          f"DRAM read ceiling (1 GiB fp32 sum) {dram:.1f} GB/s\n")
+    flush = CacheFlush()
+    for cname in args.config:
+        shape = CONFIGS[cname]
+        cfg = md.MoEConfig(**shape, dtype=torch.bfloat16)
+        g = torch.Generator().manual_seed(0)
+        w13, w2 = torch.randn(cfg.w13_shape, generator=g) * 0.05, torch.randn(cfg.w2_shape, generator=g) * 0.05
+        b13, b2 = w13.bfloat16(), w2.bfloat16()
+        forced = {n: md.MoELayer(cfg, backend=n).load_weights(b13, b2).prepare() for n in _accepting(cfg)}
+        fns: dict = {f"bf16 {n}": layer for n, layer in forced.items()}
+        fns.update({f"bf16 {k}": f for k, f in raw_kernels(forced).items()})
+        fns["bf16 default"] = md.MoELayer(cfg, tuning_cache=False).load_weights(b13, b2).prepare()
+        per_expert = {"bf16": 3 * cfg.hidden_size * cfg.intermediate_size * 2}
+        for sname, scheme in SCHEMES.items():
+            qcfg = md.MoEConfig(**shape, dtype=torch.bfloat16, weight_scheme=scheme)
+            qe = md.quantize_experts(w13, w2, scheme)
+            per_expert[sname] = qe.nbytes / cfg.num_experts
+            for n in _accepting(qcfg):
+                fns[f"{sname} {n}"] = md.MoELayer(qcfg, backend=n).load_weights(qe).prepare()
+            fns[f"{sname} default"] = md.MoELayer(qcfg, tuning_cache=False).load_weights(qe).prepare()
+        names = list(fns)
+        print(f"### {cname}: {cfg.describe()}\n")
+        print("| T | " + " | ".join(names) + " | native bf16 / int8 / int4: % of DRAM read | "
+              "native bf16 over the fastest other candidate | native int8 / int4 over the fastest bf16 |")
+        print("|" + " ---: |" * (len(names) + 4))
+        for tokens in [int(t) for t in args.tokens.split(",")]:
+            inputs = random_inputs(cfg, tokens, pool=8, seed=tokens)
+            samples = time_rounds(fns, inputs, args.reps, warmup=2, seed=tokens, between=flush)
+            med = {n: statistics.median(v) for n, v in samples.items()}
+            active = statistics.mean(len(torch.unique(ids)) for _, _, ids in inputs)
+            share = {f: active * per_expert[f] / (med[f"{f} native"] / 1e3) / 1e9 / dram * 100
+                     for f in per_expert if f"{f} native" in med}
+            bf16_other = min(v for n, v in med.items() if n.startswith("bf16 ") and n != "bf16 native"
+                             and n != "bf16 default")
+            bf16_best = min(v for n, v in med.items() if n.startswith("bf16 ") and n != "bf16 default")
+            ratio = bf16_other / med["bf16 native"] if "bf16 native" in med else float("nan")
+            q = " / ".join(f"{bf16_best / med[f'{s} native']:.2f}x" for s in SCHEMES if f"{s} native" in med)
+            print(f"| {tokens} | " + " | ".join(f"{med[n]:.2f}" for n in names) + " | "
+                  + " / ".join(f"{share[f]:.0f}%" for f in share) + f" | {ratio:.2f}x | {q} |", flush=True)
+        print()
+        del fns, forced
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

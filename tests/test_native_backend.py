@@ -1,0 +1,255 @@
+"""The native backend (moe-dispatch's own fused decode kernel): its gates on simulated
+machines everywhere; every build this CPU can run, for real, against the float64 reference.
+
+bf16 weights are checked within the bf16 tolerance; int8 / int4 weights within
+``ERROR_BOUND`` of the reference computed on the dequantized weights (the kernel quantizes
+its activations per block of 32 as well). ``MOE_DISPATCH_NATIVE_ISA`` selects a build, so
+the AVX2 build runs on AVX-512 machines too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import moe_dispatch as md
+from moe_dispatch.reference import moe_reference
+from moe_dispatch.testing import TOLERANCE, machine, random_routing, random_weights, rel_error, thread_disagreements
+from moe_dispatch.testing.strategies import quant_schemes
+
+from helpers import assert_unchanged, snapshot
+from moe_dispatch_backends.native import ERROR_BOUND, MAX_TOKENS, NativeBackend, kernel  # noqa: E402
+
+HERE = md.Capabilities.detect()
+BUILDS = [isa for isa in kernel.ISAS if kernel.runs(isa, HERE)]
+ZEN3, ZEN4 = machine("zen3"), machine("zen4")
+SCHEMES = [None, md.QuantScheme("int8"), md.QuantScheme("int8", group_size=32),
+           md.QuantScheme("int4", group_size=32), md.QuantScheme("int4", group_size=128),
+           md.QuantScheme("int4", group_size=64, symmetric=False)]
+
+
+def _cfg(scheme=None, **kw):
+    base = dict(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128, dtype=torch.bfloat16)
+    base.update(kw)
+    return md.MoEConfig(**base, weight_scheme=scheme)
+
+
+def _built(isa):
+    module = kernel.load(isa)
+    if module is None:
+        pytest.skip(f"the native kernel's {isa} build is unavailable: {kernel.status(isa)}")
+
+
+@pytest.fixture(params=BUILDS or ["none"])
+def build(request, monkeypatch):
+    """Each build this CPU runs, selected as a user would (MOE_DISPATCH_NATIVE_ISA)."""
+    if request.param == "none":
+        pytest.skip(f"this CPU runs no build of the native kernel: {kernel.isa_for(HERE)[1]}")
+    monkeypatch.setenv(kernel.ISA_ENV, request.param)
+    _built(request.param)
+    return request.param
+
+
+def _layer(cfg, seed=1):
+    """A forced native layer and the float weights its reference uses (dequantized)."""
+    fcfg = _cfg(None, **{k: getattr(cfg, k) for k in
+                         ("num_experts", "top_k", "hidden_size", "intermediate_size", "activation",
+                          "apply_router_weight_on_input", "has_bias")}, )
+    w = {k: v for k, v in random_weights(fcfg, seed=seed).items() if v is not None}
+    layer = md.MoELayer(cfg, backend="native")
+    if cfg.weight_scheme is None:
+        w = {k: v.to(cfg.dtype) for k, v in w.items()}
+        layer.load_weights(**w)
+        return layer.prepare(), w, w
+    bias = {k: w[k].to(cfg.dtype) for k in ("w13_bias", "w2_bias") if k in w}
+    qe = md.quantize_experts(w["w13"].float(), w["w2"].float(), cfg.weight_scheme, **bias)
+    d13, d2 = qe.dequantize()
+    layer.load_weights(qe)
+    return layer.prepare(), dict(w13=d13, w2=d2, **bias), qe
+
+
+def _check(layer, cfg, ref_w, tokens, seed=2):
+    x, tw, ids = random_routing(cfg, tokens, seed=seed)
+    out = layer(x, tw, ids)
+    assert out.dtype == cfg.dtype and out.shape == x.shape
+    want = moe_reference(cfg, x, ref_w["w13"], ref_w["w2"], tw, ids, ref_w.get("w13_bias"),
+                         ref_w.get("w2_bias"))
+    bound = TOLERANCE[torch.bfloat16] if cfg.weight_scheme is None else ERROR_BOUND
+    err = rel_error(out, want)
+    assert err <= bound, (cfg.describe(), tokens, err)
+    return err
+
+
+# -- gates (simulated machines: everywhere) ------------------------------------------------
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_gate_picks_the_widest_build_the_cpu_runs(scheme, monkeypatch):
+    monkeypatch.delenv(kernel.ISA_ENV, raising=False)
+    assert "the avx2 build" in NativeBackend().supports_config(_cfg(scheme), ZEN3).reason
+    assert "the avx512 build" in NativeBackend().supports_config(_cfg(scheme), ZEN4).reason
+    # AVX-512 without BF16 (an Ice Lake) runs the AVX2 build: the avx512 one has BF16 code.
+    assert "the avx2 build" in NativeBackend().supports_config(_cfg(scheme), machine("ice_lake")).reason
+
+
+def test_gate_rejects_what_the_kernel_cannot_run(monkeypatch):
+    cases = [
+        (_cfg(dtype=torch.float32), ZEN3, "streams bfloat16 weights"),
+        (_cfg(dtype=torch.float16), ZEN3, "streams bfloat16 weights"),
+        (_cfg(md.QuantScheme("int8"), dtype=torch.float16), ZEN3, "bfloat16 or float32 activations"),
+        (_cfg(), machine("neoverse_v1"), "x86_64 with AVX2, FMA and F16C"),
+        (_cfg(), ZEN3.evolve(fma_f16c=False), "fma_f16c=False"),
+    ]
+    for cfg, caps, why in cases:
+        d = NativeBackend().supports_config(cfg, caps)
+        assert not d.accepted and why in d.reason, (cfg.describe(), d.reason)
+    assert NativeBackend().supports_config(_cfg(md.QuantScheme("int8"), dtype=torch.float32), ZEN3).accepted
+
+
+def test_the_isa_switch_and_the_off_switch(monkeypatch):
+    monkeypatch.setenv(kernel.ISA_ENV, "avx2")
+    assert "the avx2 build (MOE_DISPATCH_NATIVE_ISA)" in NativeBackend().supports_config(_cfg(), ZEN4).reason
+    monkeypatch.setenv(kernel.ISA_ENV, "avx512")
+    d = NativeBackend().supports_config(_cfg(), ZEN3)
+    assert not d.accepted and "lacks the avx512 build's instructions" in d.reason
+    monkeypatch.setenv(kernel.ISA_ENV, "sse")
+    d = NativeBackend().supports_config(_cfg(), ZEN4)
+    assert not d.accepted and "expected one of avx2, avx512" in d.reason
+    monkeypatch.delenv(kernel.ISA_ENV)
+    monkeypatch.setenv(kernel.SWITCH, "0")
+    d = NativeBackend().supports_config(_cfg(), ZEN4)
+    assert not d.accepted and "the native backend is off" in d.reason
+
+
+def test_a_build_that_fails_is_a_rejection_with_the_reason(monkeypatch):
+    monkeypatch.setattr(kernel, "load", lambda isa: None)
+    monkeypatch.setattr(kernel, "status", lambda isa: "unavailable: build failed (no compiler)")
+    w = random_weights(_cfg())
+    d = NativeBackend().supports_layer(md.LayerWeights(_cfg(), w["w13"], w["w2"]), ZEN3)
+    assert not d.accepted and "build failed (no compiler)" in d.reason
+
+
+def test_max_tokens_is_declared_and_validated():
+    spec = next(r.spec for r in md.get_registry().snapshot().records if r.name == "native")
+    assert spec.max_tokens == MAX_TOKENS and spec.serves(MAX_TOKENS) and not spec.serves(MAX_TOKENS + 1)
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        md.BackendSpec("x", 1, NativeBackend(), max_tokens=0)
+
+
+# -- the kernel, for real --------------------------------------------------------------------
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: "bf16" if s is None else s.describe())
+@pytest.mark.parametrize("activation", list(md.Activation), ids=str)
+def test_every_format_and_activation_matches_the_reference(build, scheme, activation):
+    for on_input, top_k, bias in ((False, 2, True), (True, 1, False)):
+        cfg = _cfg(scheme, activation=activation, top_k=top_k, apply_router_weight_on_input=on_input,
+                   has_bias=bias)
+        layer, ref_w, _ = _layer(cfg)
+        for tokens in (1, 5, 33):  # 33: above max_tokens, forced: still exact
+            _check(layer, cfg, ref_w, tokens, seed=tokens)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_hypothesis_shapes_including_odd_sizes(build, data):
+    """H and I need not be multiples of anything for bf16 and per-channel int8 (the kernel
+    pads the reduction axis); grouped schemes take multiples of their group."""
+    scheme = data.draw(st.one_of(st.none(), quant_schemes()))
+    if scheme is None:
+        h, i = data.draw(st.integers(1, 300)), data.draw(st.integers(1, 200))
+    elif scheme.group_size is None:
+        # Quantized activations bound the error relative to the magnitudes summed, not to the
+        # sum: with a handful of values (H=1, I=11) one output can cancel to near zero, so
+        # the relative bound is drawn on sizes of at least one block (odd ones included).
+        h, i = data.draw(st.integers(32, 300)), data.draw(st.integers(32, 200))
+    else:
+        g = scheme.group_size
+        h, i = g * data.draw(st.integers(1, 3)), g * data.draw(st.integers(1, 2))
+    experts = data.draw(st.integers(1, 12))
+    dtype = torch.bfloat16 if scheme is None else data.draw(st.sampled_from([torch.bfloat16, torch.float32]))
+    cfg = md.MoEConfig(experts, data.draw(st.integers(1, min(4, experts))), h, i,
+                       activation=data.draw(st.sampled_from(list(md.Activation))), dtype=dtype,
+                       weight_scheme=scheme, has_bias=data.draw(st.booleans()))
+    layer, ref_w, _ = _layer(cfg, seed=data.draw(st.integers(0, 1000)))
+    _check(layer, cfg, ref_w, data.draw(st.integers(1, 20)))
+
+
+def test_zero_tokens_repeated_ids_and_bad_ids(build):
+    cfg = _cfg(md.QuantScheme("int4", group_size=32))
+    layer, ref_w, _ = _layer(cfg)
+    x = torch.randn(0, cfg.hidden_size).to(cfg.dtype)
+    assert layer(x, torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.int32)).shape == (0, cfg.hidden_size)
+    x = torch.randn(3, cfg.hidden_size).to(cfg.dtype)
+    tw, ids = torch.rand(3, 2), torch.tensor([[1, 1], [0, 7], [5, 5]])
+    want = moe_reference(cfg, x, ref_w["w13"], ref_w["w2"], tw, ids)
+    assert rel_error(layer(x, tw, ids), want) <= ERROR_BOUND  # a repeated id counts twice
+    for bad in (8, -1):
+        with pytest.raises(md.InvalidArgumentError, match="topk_ids"):
+            layer(x, tw, torch.tensor([[0, bad]] * 3))
+    # The kernel itself refuses an id out of range before it reads any weight.
+    experts = layer.plan.route.state.experts
+    with pytest.raises(IndexError, match="outside"):
+        experts.forward(x, tw, torch.tensor([[0, 8]] * 3, dtype=torch.int32), False)
+
+
+def test_caller_tensors_untouched_and_in_place_updates_detected(build):
+    for scheme in (None, md.QuantScheme("int8", group_size=32)):
+        cfg = _cfg(scheme, has_bias=True)
+        layer, ref_w, loaded = _layer(cfg)
+        tensors = loaded if scheme is None else {n: t for n, t in md.LayerWeights(
+            cfg, loaded.w13.qweight, loaded.w2.qweight, quantized=loaded).tensors()}
+        before = snapshot(tensors)
+        _check(layer, cfg, ref_w, 4)
+        assert_unchanged(tensors, before)
+        target = loaded["w13"] if scheme is None else loaded.w13.scales
+        target.mul_(2)
+        x, tw, ids = random_routing(cfg, 2)
+        with pytest.raises(md.WeightsModifiedError):
+            layer(x, tw, ids)
+
+
+def test_eight_threads_agree_with_the_serial_result(build):
+    cfg = _cfg(md.QuantScheme("int8"))
+    layer, _, _ = _layer(cfg)
+    inputs = [random_routing(cfg, t, seed=t) for t in (1, 2, 3, 8)]
+    assert thread_disagreements(layer, inputs) == []
+
+
+def test_the_native_entry_gives_the_python_paths_numbers(build):
+    cfg = _cfg(None, apply_router_weight_on_input=True, top_k=1)
+    layer, _, _ = _layer(cfg)
+    x, tw, ids = random_routing(cfg, 3)
+    ids, tw = ids.to(torch.int32).contiguous(), tw.float().contiguous()
+    entry = layer.plan.native_for(x)
+    assert entry is not None
+    fast = entry[0](x, tw, ids)
+    assert fast is not None and torch.equal(fast, layer.plan.route.apply(layer.plan.route.state, x, tw, ids))
+
+
+def test_both_builds_agree_where_both_run():
+    if len(BUILDS) < 2:
+        pytest.skip(f"this CPU runs only {BUILDS or 'no'} build(s) of the kernel")
+    for isa in BUILDS:
+        _built(isa)
+    for scheme in SCHEMES:
+        cfg = _cfg(scheme)
+        outs = []
+        for isa in BUILDS:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv(kernel.ISA_ENV, isa)
+                layer, _, _ = _layer(cfg)
+                x, tw, ids = random_routing(cfg, 4)
+                outs.append(layer(x, tw, ids).float())
+        assert rel_error(outs[0], outs[1].double()) <= 1e-3, scheme  # bf16-rounded outputs
+
+
+def test_priority_routes_large_token_counts_past_the_kernel(build):
+    """Under "priority" the native backend serves T <= MAX_TOKENS and the next backend
+    without a limit serves the rest (and "auto" never routes it beyond its limit)."""
+    cfg = _cfg()
+    w = random_weights(cfg)
+    for policy in ("priority", "auto"):
+        layer = md.MoELayer(cfg, policy=policy, tuning_cache=False).load_weights(**w).prepare()
+        if layer.backend != "native":
+            pytest.skip(f"the resolver chose {layer.backend} here")
+        assert layer.plan.route_for(1).name == "native" or policy == "auto"
+        assert layer.plan.route_for(MAX_TOKENS + 1).name != "native"
+        assert layer.plan.route_for(10_000).name != "native"
