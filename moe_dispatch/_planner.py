@@ -21,7 +21,8 @@ from ._plan import Demotion, ExecutionPlan, NativeEntry, Route
 from ._resolution import Resolution, Status
 from ._resolver import call_check, resolve, resolve_layer
 from ._spec import BackendRecord, FastGuard, LayerWeights
-from ._tuning import bucket_sizes, tune
+from ._buckets import bucket_sizes
+from ._tuning import tune
 
 log = logging.getLogger("moe_dispatch")
 

@@ -33,39 +33,18 @@ from ._resolution import Resolution, Status
 from ._resolver import call_check
 from ._spec import BackendRecord, LayerWeights
 from ._timing import CacheFlush, time_side_by_side
+from ._buckets import Timings, bucket_sizes, pick_winner, within_limits
 from ._tuning_cache import TuningCache, tuning_key
 
 log = logging.getLogger("moe_dispatch")
 
 Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-Timings = dict[int, dict[str, float]]  # bucket size -> candidate -> median ms
 
-# A backend replaces the priority choice only when it is faster by more than this: timings
-# on a shared machine move by a few percent from run to run (measured: the same kernel in
-# two layers differs by up to ~5-8%), and a near-tie is not worth a second prepared state.
-SWITCH_MARGIN = 0.02
 # "auto" stops timing a candidate at larger buckets once it was this many times slower than
 # the best at two measured buckets in a row (one is not enough: a kernel built for prefill
 # may lose badly at T=1 and still win at T=512). In every grid measured (docs/performance.md)
 # no backend that far behind twice caught up later; policy="fastest" times everything.
 DROP_FACTOR = 2.5
-
-
-def bucket_sizes(cap: int) -> list[int]:
-    sizes, t = [], 1
-    while t < cap:
-        sizes.append(t)
-        t *= 2
-    sizes.append(cap)
-    return sizes
-
-
-def pick_winner(medians: dict[str, float], default: str, margin: float = SWITCH_MARGIN) -> str:
-    """The fastest candidate, unless ``default`` is within ``margin`` of it (ties by name)."""
-    best = min(medians, key=lambda name: (medians[name], name))
-    if default in medians and medians[default] <= medians[best] * (1 + margin):
-        return default
-    return best
 
 
 Serves = Callable[[str, int], bool]  # may this candidate be routed calls of T tokens?
@@ -257,7 +236,7 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
 
         fn = measure_adaptive if options.adaptive else measure
         table, timings = fn(runners, config, sizes, options.budget_s, chosen.name, serves=serves)
-        table = _within_limits(table, timings, sizes, {n: records[n] for n in prepared})
+        table = within_limits(table, timings, sizes, {n: records[n] for n in prepared})
         measured = set(timings)
         if cache is not None:
             cache.put(key, table, timings, config)
@@ -269,27 +248,6 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
              for t in sizes}
     left = f" ({', '.join(skipped)} not prepared: memory)" if skipped else ""
     return routes, tuned, f"{how}; candidates {', '.join(n for n in names if n not in skipped)}{left}"
-
-
-def _within_limits(table: dict[int, str], timings: Timings, sizes: list[int],
-                   records: dict[str, BackendRecord]) -> dict[int, str]:
-    """The table with every bucket routed to a candidate that serves it
-    (``BackendSpec.max_tokens``): a bucket whose winner does not serve it takes the fastest
-    candidate that does at the nearest measured bucket, else the first unlimited one in
-    priority order."""
-    where = {t: i for i, t in enumerate(sizes)}
-    out = dict(table)
-    for t in sizes:
-        if records[out[t]].spec.serves(t):
-            continue
-        for m in sorted(timings, key=lambda m: (abs(where[m] - where[t]), m)):
-            ok = {n: ms for n, ms in timings[m].items() if n in records and records[n].spec.serves(t)}
-            if ok:
-                out[t] = min(ok, key=lambda n: (ok[n], n))
-                break
-        else:
-            out[t] = next((n for n in records if records[n].spec.serves(t)), out[t])
-    return out
 
 
 def available_bytes() -> int | None:

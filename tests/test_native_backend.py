@@ -87,7 +87,8 @@ def test_gate_picks_the_widest_build_the_cpu_runs(scheme, monkeypatch):
     monkeypatch.delenv(kernel.ISA_ENV, raising=False)
     assert "the avx2 build" in NativeBackend().supports_config(_cfg(scheme), ZEN3).reason
     assert "the avx512 build" in NativeBackend().supports_config(_cfg(scheme), ZEN4).reason
-    # AVX-512 without BF16 (an Ice Lake) runs the AVX2 build: the avx512 one has BF16 code.
+    # AVX-512 without BF16 (an Ice Lake) runs the AVX2 build: the avx512 one is compiled for
+    # AVX512-BF16.
     assert "the avx2 build" in NativeBackend().supports_config(_cfg(scheme), machine("ice_lake")).reason
 
 

@@ -14,6 +14,7 @@ print their status.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from types import ModuleType
@@ -25,9 +26,11 @@ SWITCH = "MOE_DISPATCH_NATIVE_KERNEL"  # 0/false/no/off: the native backend is o
 ISA_ENV = "MOE_DISPATCH_NATIVE_ISA"  # "avx2" or "avx512": that build (if the CPU has it)
 DIR_ENV = "MOE_DISPATCH_NATIVE_DIR"
 SOURCE = Path(__file__).with_name("kernel.cpp")
+HEADER = Path(__file__).with_name("dots.h")  # torch's builder hashes sources, not headers:
+_HEADER_HASH = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]  # its hash is a define
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers; without it the loops run
 # on one thread. The process's libgomp (torch's own, same soname) is the one linked.
-_COMMON = ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c")
+_COMMON = ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", f"-DMOE_DISPATCH_NATIVE_DOTS_H={_HEADER_HASH}")
 FLAGS = {"avx2": _COMMON,
          "avx512": _COMMON + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
                               "-mavx512bf16")}
