@@ -61,6 +61,11 @@ def ceilings(dtype: torch.dtype) -> dict[str, float]:
         a @ b
         ts.append(time.perf_counter() - t0)
     gflops = 2 * n ** 3 / statistics.median(ts) / 1e9
+    return {"matmul_gflops": gflops, "matmul_n": n, "read_gbs": read_gbs()}
+
+
+def read_gbs() -> float:
+    """GB/s of a 1 GiB fp32 ``torch.sum`` (median of 5): the run's DRAM read reference."""
     big = torch.randn(256 * 1024 * 1024 // 4)  # 1 GiB fp32
     big.sum()
     ts = []
@@ -68,8 +73,7 @@ def ceilings(dtype: torch.dtype) -> dict[str, float]:
         t0 = time.perf_counter()
         big.sum()
         ts.append(time.perf_counter() - t0)
-    return {"matmul_gflops": gflops, "matmul_n": n,
-            "read_gbs": big.numel() * 4 / statistics.median(ts) / 1e9}
+    return big.numel() * 4 / statistics.median(ts) / 1e9
 
 
 def overhead(layer: md.MoELayer, raw, config: md.MoEConfig, pairs: int = 1000) -> float:

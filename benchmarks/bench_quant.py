@@ -30,7 +30,7 @@ from moe_dispatch._timing import time_rounds
 from moe_dispatch.testing import random_inputs
 
 from bench_backends import CONFIGS, raw_zentorch
-from bench_perf import ceilings
+from bench_perf import read_gbs
 
 SCHEMES = {"int8": md.QuantScheme("int8"), "int8g32": md.QuantScheme("int8", group_size=32),
            "int4g32": md.QuantScheme("int4", group_size=32),
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schemes", default="int8,int4g128")
     p.add_argument("--reps", type=int, default=9)
     args = p.parse_args(argv)
-    dram = ceilings(torch.float32)["read_gbs"]  # only the read is used
+    dram = read_gbs()
     print(f"machine: {md.Capabilities.detect().fingerprint()}, {torch.get_num_threads()} threads; "
           f"1 GiB fp32 read {dram:.1f} GB/s")
     for cname in args.config:

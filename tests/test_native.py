@@ -357,3 +357,21 @@ def test_doctor_reports_the_entry_without_building_it(tmp_path: Path):
     status = zen["diagnostics"]["C++ decode entry"]
     assert status.startswith("not built yet") and "python -m moe_dispatch_backends.zentorch.native" in status
     assert not empty.exists()  # doctor looked, and built nothing
+
+
+def test_a_modules_own_header_is_part_of_its_build_arguments(tmp_path):
+    """torch's builder hashes sources only: an edit to a header named in ``headers`` must
+    change the build's arguments (and so rebuild); without headers the toolkit's alone."""
+    from moe_dispatch.kernels import NativeExtension
+
+    header = tmp_path / "mine.h"
+    header.write_text("// one\n")
+
+    def flags(**kw):
+        return NativeExtension("m", [tmp_path / "m.cpp"], switch="X", dir_env="Y", what="m", **kw).extra_cflags
+
+    before = flags(headers=[header])
+    header.write_text("// two\n")
+    assert flags(headers=[header]) != before
+    assert flags() == flags(headers=())
+    assert flags() != before

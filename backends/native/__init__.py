@@ -25,7 +25,7 @@ import attrs
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.kernels import dtype_name, id_range
+from moe_dispatch.kernels import check_id_range, dtype_name
 
 from . import kernel
 from ._pack import experts_args
@@ -52,8 +52,7 @@ def _format(config: md.MoEConfig) -> str:
 
 class NativeBackend(md.BackendBase):
     def supports_config(self, config: md.MoEConfig, capabilities: md.Capabilities) -> md.Decision:
-        ext = kernel.EXTENSIONS["avx2"]
-        if ext.disabled():
+        if kernel.disabled():
             return md.reject(f"{kernel.SWITCH}={os.environ.get(kernel.SWITCH)}: the native "
                              "backend is off")
         isa, why = kernel.isa_for(capabilities)
@@ -91,9 +90,7 @@ class NativeBackend(md.BackendBase):
         c = state.config
         if hidden_states.shape[0] == 0:
             return torch.empty_like(hidden_states)
-        lo, hi = id_range(topk_ids)  # the kernel checks too, before reading any weight
-        if lo < 0 or hi >= c.num_experts:
-            raise IndexError(f"topk_id value {lo if lo < 0 else hi} is outside [0, {c.num_experts})")
+        check_id_range(topk_ids, c.num_experts)  # the kernel checks too, before reading any weight
         ids = topk_ids if topk_ids.dtype is _I32 and topk_ids.is_contiguous() else \
             topk_ids.to(_I32).contiguous()
         tw = topk_weights if topk_weights.dtype is _F32 and topk_weights.is_contiguous() else \

@@ -1,6 +1,6 @@
 // The native kernel's building blocks (included by kernel.cpp only): the ISA of this
 // build, the weight and input layouts, the two-row dot products, the activations.
-// kernel.py passes this file's hash as a define, so that an edit here rebuilds.
+// kernel.py names it in the build's headers (NativeExtension), so that an edit here rebuilds.
 
 #pragma once
 

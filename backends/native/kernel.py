@@ -14,7 +14,6 @@ print their status.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from types import ModuleType
@@ -26,11 +25,10 @@ SWITCH = "MOE_DISPATCH_NATIVE_KERNEL"  # 0/false/no/off: the native backend is o
 ISA_ENV = "MOE_DISPATCH_NATIVE_ISA"  # "avx2" or "avx512": that build (if the CPU has it)
 DIR_ENV = "MOE_DISPATCH_NATIVE_DIR"
 SOURCE = Path(__file__).with_name("kernel.cpp")
-HEADER = Path(__file__).with_name("dots.h")  # torch's builder hashes sources, not headers:
-_HEADER_HASH = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]  # its hash is a define
+HEADER = Path(__file__).with_name("dots.h")  # included by kernel.cpp; an edit rebuilds
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers; without it the loops run
 # on one thread. The process's libgomp (torch's own, same soname) is the one linked.
-_COMMON = ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", f"-DMOE_DISPATCH_NATIVE_DOTS_H={_HEADER_HASH}")
+_COMMON = ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c")
 FLAGS = {"avx2": _COMMON,
          "avx512": _COMMON + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
                               "-mavx512bf16")}
@@ -38,9 +36,14 @@ ISAS = ("avx512", "avx2")  # widest first
 
 EXTENSIONS = {isa: NativeExtension(f"moe_dispatch_native_kernel_{isa}", [SOURCE], switch=SWITCH,
                                    dir_env=DIR_ENV, what=f"native kernel ({isa} build)",
-                                   extra_cflags=flags, extra_ldflags=("-fopenmp",),
+                                   extra_cflags=flags, extra_ldflags=("-fopenmp",), headers=[HEADER],
                                    build_command="python -m moe_dispatch_backends.native")
               for isa, flags in FLAGS.items()}
+
+
+def disabled() -> bool:
+    """Whether MOE_DISPATCH_NATIVE_KERNEL turns the backend off (one switch for every build)."""
+    return EXTENSIONS["avx2"].disabled()
 
 
 def runs(isa: str, caps: md.Capabilities) -> bool:

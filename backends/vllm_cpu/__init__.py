@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.kernels import dtype_name, id_range, op_problem, scale_rows
+from moe_dispatch.kernels import check_id_range, dtype_name, op_problem, scale_rows
 
 from . import _library, native
 from ._pack import ALIGN, VllmState, build_state
@@ -80,9 +80,7 @@ class VllmBackend(md.BackendBase):
     def apply(self, state: VllmState, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         experts = state.config.num_experts
-        lo, hi = id_range(topk_ids)  # the kernel never sees an id outside [0, E)
-        if lo < 0 or hi >= experts:
-            raise IndexError(f"topk_id value {lo if lo < 0 else hi} is outside [0, {experts})")
+        check_id_range(topk_ids, experts)  # the kernel never sees an id outside [0, E)
         ids = topk_ids if topk_ids.dtype is _I32 and topk_ids.is_contiguous() else \
             topk_ids.to(_I32).contiguous()
         skip = state.config.apply_router_weight_on_input

@@ -9,7 +9,7 @@ backend does:
 - :func:`gated_activation` by each activation's exact math, and :func:`expert_loop`, the
   portable kernel on the canonical weights;
 - id checks that stay cheap at decode: :func:`id_range`, :func:`ids_in_range`,
-  :func:`has_duplicate_in_row`;
+  :func:`check_id_range` (raises), :func:`has_duplicate_in_row`;
 - :func:`op_problem` / :func:`schema_problem`: an op's presence and schema checked by
   argument names and types;
 - weight ownership: :func:`owned_copy`, :func:`version_stamp`, :func:`stamp_matches`;
@@ -20,14 +20,14 @@ backend does:
 from .._config import dtype_name
 from ._activations import gated_activation
 from ._grouping import ExpertFn, ExpertOrder, combine, grouped_by_expert, scale_rows, sort_by_expert
-from ._ids import SMALL_IDS, has_duplicate_in_row, id_range, ids_in_range
+from ._ids import SMALL_IDS, check_id_range, has_duplicate_in_row, id_range, ids_in_range
 from ._loop import expert_loop, quantized_expert_loop
 from ._native import NativeExtension, cache_dir
 from ._schema import Argument, op_problem, schema_arguments, schema_problem
 from ._weights import owned_copy, stamp_matches, version_of, version_stamp
 
 __all__ = [
-    "Argument", "ExpertFn", "ExpertOrder", "NativeExtension", "SMALL_IDS", "cache_dir", "combine",
+    "Argument", "ExpertFn", "ExpertOrder", "NativeExtension", "SMALL_IDS", "cache_dir", "check_id_range", "combine",
     "dtype_name", "expert_loop", "gated_activation", "grouped_by_expert", "has_duplicate_in_row", "quantized_expert_loop",
     "id_range", "ids_in_range", "op_problem", "owned_copy", "scale_rows", "schema_arguments", "schema_problem",
     "sort_by_expert", "stamp_matches", "version_of", "version_stamp",

@@ -20,6 +20,14 @@ def id_range(ids: torch.Tensor) -> tuple[int, int]:
     return int(lo), int(hi)
 
 
+def check_id_range(ids: torch.Tensor, num_experts: int) -> None:
+    """Raise ``IndexError`` naming the first bound broken if a non-empty ``[T, K]`` id tensor
+    holds an id outside ``[0, num_experts)``: for a kernel that must never see one."""
+    lo, hi = id_range(ids)
+    if lo < 0 or hi >= num_experts:
+        raise IndexError(f"topk_id value {lo if lo < 0 else hi} is outside [0, {num_experts})")
+
+
 def ids_in_range(ids: torch.Tensor, num_experts: int) -> bool:
     """Whether every id of a ``[T, K]`` tensor lies in ``[0, num_experts)`` (True if empty)."""
     if ids.shape[0] == 0:

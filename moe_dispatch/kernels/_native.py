@@ -62,15 +62,17 @@ class NativeExtension:
 
     def __init__(self, name: str, sources: Sequence[Path], *, switch: str, dir_env: str,
                  what: str, extra_cflags: Sequence[str] = ("-O2",),
-                 extra_ldflags: Sequence[str] = (),
+                 extra_ldflags: Sequence[str] = (), headers: Sequence[Path] = (),
                  before_build: Callable[[], None] | None = None,
                  build_command: str | None = None) -> None:
         self.name, self.sources, self.what = name, [str(s) for s in sources], what
         self.build_command = build_command  # how a user builds it now, for describe()
         self.switch, self.dir_env = switch, dir_env
-        # The header's hash as a define: torch's builder rebuilds when its arguments change,
-        # and it hashes only the sources, not the headers they include.
-        digest = hashlib.sha256((INCLUDE_DIR / "moe_dispatch_fast_call.h").read_bytes()).hexdigest()
+        # The headers' hash as a define: torch's builder rebuilds when its arguments change,
+        # and it hashes only the sources, not the headers they include (the toolkit's, and
+        # ``headers``, the module's own).
+        digest = hashlib.sha256(b"".join(Path(h).read_bytes() for h in
+                                         (INCLUDE_DIR / "moe_dispatch_fast_call.h", *headers))).hexdigest()
         self.extra_cflags = list(extra_cflags) + [f"-DMOE_DISPATCH_TOOLKIT_H={digest[:16]}"]
         self.extra_ldflags = list(extra_ldflags)
         self.before_build = before_build
