@@ -1,0 +1,161 @@
+"""Drive vLLM's offline engine on tiny random MoE checkpoints, with or without the plugin.
+
+Runs inside an environment that has vLLM (``.venv-vllm``); the tests and the benchmark call
+it as a subprocess, one engine per process (vLLM's engine spawns its own processes and owns
+the process-wide state the plugin wraps), and read one JSON line back:
+
+    python -m moe_dispatch.testing.vllm_engine make --family qwen3_moe --out DIR
+    python -m moe_dispatch.testing.vllm_engine run --model DIR --dtype float32 \\
+        --prompts '[[1, 5, 9]]' --max-tokens 8 [--decode 8,40 --batches 1,8 --prefill 512]
+
+``run`` prints ``MOE_DISPATCH_RESULT {...}`` last: per prompt the greedy tokens and the
+first step's top logprobs; with ``--decode A,B`` the decode rate per batch size, tokens per
+second from the difference between generating A and B tokens (prefill cancels out); with
+``--prefill N`` the prefill rate of one N-token prompt.
+``MOE_DISPATCH_VLLM=0`` in the environment runs vLLM's own MoE path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+RESULT = "MOE_DISPATCH_RESULT "
+FAMILIES = ("qwen3_moe", "mixtral")
+
+
+def make_checkpoint(family: str, out: str, *, experts: int = 8, top_k: int = 2,
+                    hidden: int = 256, inter: int = 128, layers: int = 2, vocab: int = 1024,
+                    seed: int = 0, dtype: str = "bfloat16") -> str:
+    """A random checkpoint of ``family`` saved with transformers' ``save_pretrained``."""
+    import torch
+    torch.manual_seed(seed)
+    heads = max(2, hidden // 64)
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                  max_position_embeddings=1024, tie_word_embeddings=False,
+                  num_experts_per_tok=top_k)
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        config = Qwen3MoeConfig(**common, intermediate_size=2 * inter, head_dim=64,
+                                moe_intermediate_size=inter, num_experts=experts,
+                                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+        model = Qwen3MoeForCausalLM(config)
+    elif family == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+        config = MixtralConfig(**common, intermediate_size=inter, num_local_experts=experts,
+                               head_dim=64)
+        model = MixtralForCausalLM(config)
+    else:
+        raise ValueError(f"family={family!r}; expected one of {', '.join(FAMILIES)}")
+    with torch.no_grad():
+        # Wider than the init's 0.02, and a sharp lm_head: near-uniform logits would make
+        # greedy decoding a coin toss between near-ties, and the comparisons meaningless.
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.06)
+        model.lm_head.weight.normal_(0.0, 0.3)
+    model.to(getattr(torch, dtype)).save_pretrained(out)
+    return out
+
+
+def _timed(llm: Any, prompts: list[dict[str, Any]], tokens: int) -> float:
+    from vllm import SamplingParams
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def run_engine(model: str, dtype: str, prompts: list[list[int]], max_tokens: int,
+               logprobs: int = 5, decode: tuple[int, int] | None = None,
+               batches: tuple[int, ...] = (), prefill: int = 0,
+               rounds: int = 3) -> dict[str, Any]:
+    """One engine: greedy generation of every prompt; with ``decode=(A, B)`` the decode rate
+    of the first b prompts for each b in ``batches`` (default: all of them); with
+    ``prefill=N`` the prefill rate of one N-token prompt. Rates are medians of ``rounds``."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes all RAM
+    from vllm import LLM, SamplingParams
+    start = time.perf_counter()
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype=dtype, max_model_len=1024,
+              enforce_eager=True, seed=0)
+    up_s = time.perf_counter() - start
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs,
+                            ignore_eos=True)
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    result: dict[str, Any] = {
+        "up_s": up_s,
+        "plugin": os.environ.get("MOE_DISPATCH_VLLM", "1"),
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "first_logprobs": [{str(t): lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}
+                           for o in outputs],
+    }
+    try:  # resident memory of the engine's processes (vLLM depends on psutil)
+        import psutil
+        me = psutil.Process()
+        result["rss_gib"] = sum(p.memory_info().rss for p in [me, *me.children(recursive=True)]
+                                ) / 2 ** 30
+    except Exception:
+        pass
+    if decode is not None:
+        short, long = decode
+        result["decode_tok_s"] = {}
+        for b in batches or (len(batch),):
+            rates = []
+            for _ in range(rounds):
+                t_short = _timed(llm, batch[:b], short)
+                t_long = _timed(llm, batch[:b], long)
+                rates.append(b * (long - short) / (t_long - t_short))
+            result["decode_tok_s"][str(b)] = {"median": statistics.median(rates),
+                                              "rounds": rates}
+    if prefill:
+        ids = [(7 * i + 3) % 1000 + 1 for i in range(prefill)]
+        rates = [prefill / _timed(llm, [{"prompt_token_ids": ids}], 1) for _ in range(rounds)]
+        result["prefill_tok_s"] = {"median": statistics.median(rates), "rounds": rates}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_dispatch.testing.vllm_engine")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    make = sub.add_parser("make", help="write a random checkpoint")
+    make.add_argument("--family", choices=FAMILIES, required=True)
+    make.add_argument("--out", required=True)
+    for name, default in (("experts", 8), ("top-k", 2), ("hidden", 256), ("inter", 128),
+                          ("layers", 2), ("vocab", 1024), ("seed", 0)):
+        make.add_argument(f"--{name}", type=int, default=default)
+    make.add_argument("--dtype", default="bfloat16")
+    run = sub.add_parser("run", help="run vLLM's offline engine")
+    run.add_argument("--model", required=True)
+    run.add_argument("--dtype", default="bfloat16")
+    run.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    run.add_argument("--max-tokens", type=int, default=8)
+    run.add_argument("--logprobs", type=int, default=5)
+    run.add_argument("--decode", help="A,B: decode rate from generating A and B tokens")
+    run.add_argument("--batches", default="", help="B1,B2: decode batch sizes (first Bi prompts)")
+    run.add_argument("--prefill", type=int, default=0, help="N: prefill rate of an N-token prompt")
+    run.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.cmd == "make":
+        make_checkpoint(args.family, args.out, experts=args.experts, top_k=args.top_k,
+                        hidden=args.hidden, inter=args.inter, layers=args.layers,
+                        vocab=args.vocab, seed=args.seed, dtype=args.dtype)
+        print(RESULT + json.dumps({"out": args.out}), flush=True)
+        return 0
+    decode = tuple(int(x) for x in args.decode.split(",")) if args.decode else None
+    batches = tuple(int(x) for x in args.batches.split(",")) if args.batches else ()
+    result = run_engine(args.model, args.dtype, json.loads(args.prompts), args.max_tokens,
+                        args.logprobs, decode, batches,  # type: ignore[arg-type]
+                        args.prefill, args.rounds)
+    print(RESULT + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

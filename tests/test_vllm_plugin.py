@@ -1,0 +1,280 @@
+"""The vLLM plugin's rules and seam, without an engine: vLLM-shaped layers and an experts
+class with vLLM 0.32's method signatures. tests/test_vllm_engine.py runs the real engine."""
+
+from __future__ import annotations
+
+import logging
+from importlib.metadata import entry_points
+from typing import Any
+
+import pytest
+import torch
+
+import moe_dispatch as md
+from moe_dispatch.testing import TOLERANCE, random_routing, random_weights, reference, rel_error
+from moe_dispatch.vllm_plugin import _seam
+from moe_dispatch.vllm_plugin._describe import NotServed, describe, summary
+
+LOG = logging.getLogger("test.vllm_plugin")
+
+
+class Act:
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+
+class MoEConf:
+    def __init__(self, config: md.MoEConfig, activation: str) -> None:
+        self.num_experts = config.num_experts
+        self.experts_per_token = config.top_k
+        self.hidden_dim = config.hidden_size
+        self.intermediate_size_per_partition = config.intermediate_size
+        self.activation = Act(activation)
+        self.in_dtype = config.dtype
+        self.has_bias = config.has_bias
+        self.is_act_and_mul = True
+        self.is_lora_enabled = False
+
+
+class Layer(torch.nn.Module):
+    """What the plugin reads of vLLM's RoutedExperts after weight loading."""
+
+    def __init__(self, config: md.MoEConfig, seed: int = 0, activation: str | None = None):
+        super().__init__()
+        self.weights = random_weights(config, seed=seed)
+        name = activation or str(config.activation)
+        self.moe_config = MoEConf(config, name)
+        self.activation = Act(name)
+        self.expert_map = None
+        self.global_num_experts = config.num_experts
+        self.apply_router_weight_on_input = False
+        self.w13_weight = torch.nn.Parameter(self.weights["w13"].clone(), requires_grad=False)
+        self.w2_weight = torch.nn.Parameter(self.weights["w2"].clone(), requires_grad=False)
+        if config.has_bias:
+            self.w13_bias = torch.nn.Parameter(self.weights["w13_bias"].clone(),
+                                               requires_grad=False)
+            self.w2_bias = torch.nn.Parameter(self.weights["w2_bias"].clone(),
+                                              requires_grad=False)
+
+
+def experts_class() -> type:
+    """A fresh stand-in for vLLM's CPUUnquantizedExperts (install() patches it in place):
+    its own path prepacks by replacing the parameters, as vLLM's does, and computes the
+    reference, counting its calls."""
+
+    class Experts:
+        def __init__(self, config: md.MoEConfig) -> None:
+            self.config = config
+            self.calls: list[str] = []
+
+        def process_weights_after_loading(self, layer: Any) -> None:
+            self.calls.append("prepack")
+            layer.w13_weight = torch.nn.Parameter(layer.w13_weight.detach().clone(),
+                                                  requires_grad=False)
+
+        def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                  global_num_experts, expert_map, a1q_scale, a2_scale, workspace13,
+                  workspace2, expert_tokens_meta, apply_router_weight_on_input):
+            self.calls.append("apply")
+            weights = {"w13": w1, "w2": w2, "w13_bias": None, "w2_bias": None}
+            output.copy_(reference(self.config, weights, hidden_states, topk_weights, topk_ids))
+
+    return Experts
+
+
+def _apply(experts: Any, layer: Layer, x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor,
+           on_input: bool = False) -> torch.Tensor:
+    out = torch.empty_like(x)
+    experts.apply(out, x, layer.w13_weight, layer.w2_weight, tw, ids, layer.activation,
+                  layer.global_num_experts, layer.expert_map, None, None, None, None, None,
+                  on_input)
+    return out
+
+
+CONFIG = md.MoEConfig(8, 2, 64, 32, dtype=torch.float32)
+
+
+def test_describe_maps_a_layer_to_views_of_its_parameters() -> None:
+    config = md.MoEConfig(8, 2, 64, 32, activation="gelu_tanh", dtype=torch.bfloat16,
+                          has_bias=True)
+    layer = Layer(config)
+    got, weights = describe(layer)
+    assert got == config
+    assert weights["w13"].data_ptr() == layer.w13_weight.data_ptr()
+    assert weights["w2_bias"].data_ptr() == layer.w2_bias.data_ptr()
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda l: setattr(l, "expert_map", torch.arange(8)), "expert parallelism"),
+    (lambda l: setattr(l.moe_config, "is_lora_enabled", True), "LoRA"),
+    (lambda l: setattr(l.moe_config, "is_act_and_mul", False), "ungated experts"),
+    (lambda l: setattr(l, "activation", Act("relu2")), "activation 'relu2'"),
+    (lambda l: setattr(l, "activation", Act("swigluoai_uninterleave")), "swigluoai_uninterleave"),
+    (lambda l: setattr(l, "w13_weight", torch.nn.Parameter(
+        torch.zeros(8, 64, 64, dtype=torch.int8), requires_grad=False)), "torch.int8"),
+    (lambda l: setattr(l, "apply_router_weight_on_input", True), "top_k=2"),
+])
+def test_describe_names_what_it_does_not_serve(change: Any, reason: str) -> None:
+    layer = Layer(CONFIG)
+    change(layer)
+    with pytest.raises(NotServed, match=reason):
+        describe(layer)
+
+
+def test_swigluoai_constants_other_than_gpt_oss_are_not_served() -> None:
+    layer = Layer(md.MoEConfig(8, 2, 64, 32, activation="swigluoai", dtype=torch.float32))
+    layer.swiglu_alpha, layer.swiglu_limit = 1.702, 7.0
+    assert describe(layer)[0].activation is md.Activation.SWIGLUOAI
+    layer.swiglu_limit = 10.0
+    with pytest.raises(NotServed, match="swiglu_limit=10.0"):
+        describe(layer)
+
+
+def test_summary_names_the_backend_per_token_count_and_every_skip() -> None:
+    layer = md.MoELayer(CONFIG, backend="torch").load_weights(
+        **{k: v for k, v in random_weights(CONFIG).items() if v is not None}).prepare()
+    line = summary(layer)
+    assert line.startswith(CONFIG.describe() + " -> torch (every T) [forced: torch]")
+    assert "not used: " not in line or "amx_grouped" in line
+
+
+def test_a_served_layer_runs_through_moe_dispatch_and_keeps_vllms_parameters(
+        caplog: pytest.LogCaptureFixture) -> None:
+    cls = experts_class()
+    assert _seam.install(cls, [], {}, LOG)
+    layer = Layer(CONFIG)
+    before = (layer.w13_weight, layer.w13_weight._version, layer.w13_weight.detach().clone())
+    experts = cls(CONFIG)
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        experts.process_weights_after_loading(layer)
+    assert experts.calls == []  # vLLM's prepack did not run
+    assert "moe-dispatch: " + CONFIG.describe() + " -> " in caplog.text
+    x, tw, ids = random_routing(CONFIG, 5, seed=3)
+    got = _apply(experts, layer, x, tw, ids)
+    assert experts.calls == []
+    assert rel_error(got, reference(CONFIG, layer.weights, x, tw, ids)) < TOLERANCE[torch.float32]
+    assert layer.w13_weight is before[0] and layer.w13_weight._version == before[1]
+    assert torch.equal(layer.w13_weight, before[2])
+
+
+def test_one_log_line_per_distinct_shape(caplog: pytest.LogCaptureFixture) -> None:
+    _seam._LOGGED.clear()
+    cls = experts_class()
+    _seam.install(cls, [], {}, LOG)
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        for seed in range(3):
+            cls(CONFIG).process_weights_after_loading(Layer(CONFIG, seed=seed))
+        other = md.MoEConfig(8, 2, 64, 64, dtype=torch.float32)
+        cls(other).process_weights_after_loading(Layer(other))
+    lines = [r for r in caplog.records if "moe-dispatch: E=" in r.getMessage()]
+    assert len(lines) == 2 and all(r.levelno == logging.INFO for r in lines)
+
+
+def test_a_layer_not_served_stays_on_vllms_path(caplog: pytest.LogCaptureFixture) -> None:
+    _seam._LOGGED.clear()
+    cls = experts_class()
+    _seam.install(cls, [], {}, LOG)
+    layer = Layer(CONFIG, activation="relu2")
+    experts = cls(CONFIG)
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        experts.process_weights_after_loading(layer)
+    assert experts.calls == ["prepack"]
+    assert "left to vLLM's MoE path: activation 'relu2'" in caplog.text
+    _apply(experts, layer, *random_routing(CONFIG, 3))
+    assert experts.calls == ["prepack", "apply"]
+
+
+def test_an_unknown_backend_name_leaves_the_layer_to_vllm(caplog: pytest.LogCaptureFixture,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    _seam._LOGGED.clear()
+    monkeypatch.setenv("MOE_DISPATCH_BACKEND", "no_such_backend")
+    cls = experts_class()
+    _seam.install(cls, [], {}, LOG)
+    experts = cls(CONFIG)
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        experts.process_weights_after_loading(Layer(CONFIG))
+    assert experts.calls == ["prepack"]
+    assert "no_such_backend" in caplog.text
+
+
+def test_router_weight_on_the_input_combines_with_weight_one() -> None:
+    config = md.MoEConfig(8, 1, 64, 32, dtype=torch.float32)
+    cls = experts_class()
+    _seam.install(cls, [], {}, LOG)
+    layer = Layer(config)
+    layer.apply_router_weight_on_input = True
+    experts = cls(config)
+    experts.process_weights_after_loading(layer)
+    x, tw, ids = random_routing(config, 4, seed=5)
+    scaled = x * tw  # what vLLM's prepare step hands the experts
+    got = _apply(experts, layer, scaled, tw, ids, on_input=True)
+    want = reference(config, layer.weights, scaled, torch.ones_like(tw), ids)
+    assert rel_error(got, want) < TOLERANCE[torch.float32]
+
+
+def test_a_run_time_failure_hands_the_layer_to_vllms_path(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    cls = experts_class()
+    _seam.install(cls, [], {}, LOG)
+    layer = Layer(CONFIG)
+    experts = cls(CONFIG)
+    experts.process_weights_after_loading(layer)
+
+    def broken(self: Any, *args: Any) -> torch.Tensor:
+        raise md.KernelError("every backend failed")
+    monkeypatch.setattr(md.MoELayer, "__call__", broken)
+    x, tw, ids = random_routing(CONFIG, 3, seed=2)
+    with caplog.at_level(logging.WARNING, logger=LOG.name):
+        got = _apply(experts, layer, x, tw, ids)
+    assert "vLLM's MoE path takes the layer over" in caplog.text
+    assert experts.calls == ["prepack", "apply"]
+    assert rel_error(got, reference(CONFIG, layer.weights, x, tw, ids)) < TOLERANCE[torch.float32]
+    _apply(experts, layer, x, tw, ids)
+    assert experts.calls == ["prepack", "apply", "apply"]  # for good
+
+
+def test_a_vllm_with_other_signatures_is_left_alone(caplog: pytest.LogCaptureFixture) -> None:
+    class Other:
+        def process_weights_after_loading(self, layer): ...
+        def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids): ...
+    before = (Other.apply, Other.process_weights_after_loading)
+    with caplog.at_level(logging.WARNING, logger=LOG.name):
+        assert not _seam.install(Other, [], {}, LOG)
+    assert (Other.apply, Other.process_weights_after_loading) == before
+    assert "the plugin knows apply" in caplog.text
+
+
+def test_quantized_experts_classes_log_that_they_stay_on_vllm(
+        caplog: pytest.LogCaptureFixture) -> None:
+    _seam._LOGGED.clear()
+
+    class CPUExpertsInt8:
+        def __init__(self) -> None:
+            self.ran = False
+
+        def process_weights_after_loading(self, layer: Any) -> None:
+            self.ran = True
+    _seam.install(experts_class(), [CPUExpertsInt8], {}, LOG)
+    experts = CPUExpertsInt8()
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        experts.process_weights_after_loading(Layer(CONFIG))
+    assert experts.ran
+    assert "quantized experts (CPUExpertsInt8) are not mapped" in caplog.text
+
+
+def test_register_is_off_with_the_env_and_never_raises(monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    import moe_dispatch.vllm_plugin as plugin
+    monkeypatch.setenv(plugin.ENV, "0")
+    assert not plugin.enabled()
+    with caplog.at_level(logging.INFO):
+        plugin.register()
+    assert "plugin off" in caplog.text
+    monkeypatch.delenv(plugin.ENV)
+    assert plugin.enabled()
+    plugin.register()  # here vLLM's engine may not import: a warning, never an exception
+
+
+def test_the_plugin_is_registered_for_vllm() -> None:
+    eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert eps.get("moe_dispatch") == "moe_dispatch.vllm_plugin:register"
