@@ -8,7 +8,7 @@ Needs .venv-vllm (scripts/setup-vllm.sh). Each engine is its own process (vLLM's
 owns process-wide state): for each model and dtype the two sides start alternately,
 vllm, plugin, plugin, vllm, ... (``--engines`` of each), each measuring every rate
 ``--rounds`` times; a side's figure is the median over all its rounds. Decode rate: batch b
-of 8-token prompts, tokens/s from the difference between generating 8 and 40 tokens
+of 8-token prompts, tokens/s from the difference between generating 8 and 72 tokens
 (prefill cancels out). Prefill rate: one 512-token prompt, 1 token generated.
 
 Models (random weights, vocab 1024, 2 layers, made with transformers' save_pretrained):
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="tiny,c2")
     p.add_argument("--dtypes", default="bfloat16,float32")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--engines", type=int, default=2, help="engine processes per side")
     args = p.parse_args(argv)
     if not PYTHON.exists():
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                 for side in order[:2 * args.engines]:
                     res, log = engine(
                         ["run", "--model", ckpt, "--dtype", dtype, "--prompts", prompts,
-                         "--max-tokens", "2", "--decode", "8,40",
+                         "--max-tokens", "2", "--decode", "8,72",
                          "--batches", ",".join(map(str, BATCHES)), "--prefill", str(PREFILL),
                          "--rounds", str(args.rounds)],
                         {"MOE_DISPATCH_VLLM": "0" if side == "vllm" else "1"})

@@ -135,7 +135,16 @@ def test_summary_names_the_backend_per_token_count_and_every_skip() -> None:
         **{k: v for k, v in random_weights(CONFIG).items() if v is not None}).prepare()
     line = summary(layer)
     assert line.startswith(CONFIG.describe() + " -> torch (every T) [forced: torch]")
-    assert "not used: " not in line or "amx_grouped" in line
+    assert "; not used: " in line and "torch_woq: runs int4/int8 weights" in line
+
+
+def test_summary_groups_the_token_buckets_by_backend() -> None:
+    from types import SimpleNamespace
+    fake = SimpleNamespace(tuned_table={1: "a", 2: "a", 4: "b", 8: "b", 16: "c", 32: "a"},
+                           backend="a", policy="auto", config=CONFIG,
+                           resolution=SimpleNamespace(candidates=[], forced=None))
+    assert summary(fake) == (CONFIG.describe() +
+                             " -> a (T=1..2), b (T=3..8), c (T=9..16), a (T>=17) [policy=auto]")
 
 
 def test_a_served_layer_runs_through_moe_dispatch_and_keeps_vllms_parameters(
