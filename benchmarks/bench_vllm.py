@@ -21,13 +21,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import tempfile
 from pathlib import Path
 
+from moe_dispatch.testing.vllm_engine import call
+
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = Path(os.environ.get("MOE_DISPATCH_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
-RESULT = "MOE_DISPATCH_RESULT "
 MODELS = {
     "tiny": ["--experts", "8", "--top-k", "2", "--hidden", "256", "--inter", "128"],
     "c2": ["--experts", "64", "--top-k", "8", "--hidden", "2048", "--inter", "768"],
@@ -37,12 +37,10 @@ PREFILL = 512
 
 
 def engine(args: list[str], env: dict[str, str]) -> tuple[dict, str]:
-    proc = subprocess.run([str(PYTHON), "-m", "moe_dispatch.testing.vllm_engine", *args],
-                          cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT)]
-    if proc.returncode or not lines:
-        raise SystemExit(f"engine failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return json.loads(lines[-1][len(RESULT):]), proc.stdout + proc.stderr
+    try:
+        return call(PYTHON, *args, env={**os.environ, **env}, cwd=ROOT)
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,9 +19,10 @@ from typing import Any
 
 import pytest
 
+from moe_dispatch.testing.vllm_engine import call
+
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = Path(os.environ.get("MOE_DISPATCH_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
-RESULT = "MOE_DISPATCH_RESULT "
 # bf16 first-step logprobs: vLLM computes the logits in bf16 (steps of 1/64 near 1); the
 # largest difference measured on these checkpoints (native kernel forced) was 0.053. Not
 # compared in bf16: the torch loop forced, 0.77 off on one Mixtral prompt where HF's float64
@@ -42,17 +43,15 @@ PROMPTS = [[1, 5, 9, 33, 100, 7], [3, 3, 3, 900, 12, 4, 77, 8, 1, 2, 3, 4],
            [_rng.randrange(1024) for _ in range(300)]]
 
 
+def environment(**extra: str) -> dict[str, str]:
+    """This process's environment without conftest's MOE_DISPATCH_POLICY/BACKEND, plus extra."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MOE_DISPATCH_POLICY", "MOE_DISPATCH_BACKEND")}
+    return {**env, **extra}
+
+
 def engine(*args: str, env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
-    full = {**os.environ, **(env or {})}
-    for var in ("MOE_DISPATCH_POLICY", "MOE_DISPATCH_BACKEND"):  # conftest's, not the user's
-        if var not in (env or {}):
-            full.pop(var, None)
-    proc = subprocess.run([str(PYTHON), "-m", "moe_dispatch.testing.vllm_engine", *args],
-                          cwd=ROOT, env=full, capture_output=True, text=True, timeout=900)
-    log = proc.stdout + proc.stderr
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT)]
-    assert proc.returncode == 0 and lines, f"engine failed (rc {proc.returncode}):\n{log[-6000:]}"
-    return json.loads(lines[-1][len(RESULT):]), log
+    return call(PYTHON, *args, env=environment(**(env or {})), cwd=ROOT, timeout=900)
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
@@ -124,10 +123,8 @@ def test_bf16_first_step_logprobs_agree_with_vllms_own_path(checkpoint: str) -> 
 
 
 def test_the_example_runs_as_is() -> None:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MOE_DISPATCH_POLICY", "MOE_DISPATCH_BACKEND")}
     proc = subprocess.run([str(PYTHON), "examples/vllm_offline.py", "--tokens", "4"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=900)
+                          env=environment(), capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     assert "generated token ids: [" in proc.stdout

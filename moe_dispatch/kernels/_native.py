@@ -24,6 +24,12 @@ import torch
 log = logging.getLogger("moe_dispatch")
 
 _OFF = ("0", "false", "no", "off")
+
+
+def switched_off(variable: str) -> bool:
+    """Whether an on-by-default switch variable says off (``0``/``false``/``no``/``off``)."""
+    return os.environ.get(variable, "1").strip().lower() in _OFF
+
 # The toolkit's C++ header for native entries (moe_dispatch_fast_call.h), on every module's
 # include path.
 INCLUDE_DIR = Path(__file__).with_name("include")
@@ -90,7 +96,7 @@ class NativeExtension:
         return cache_dir() / "native" / tag / self.name
 
     def disabled(self) -> bool:
-        return os.environ.get(self.switch, "1").strip().lower() in _OFF
+        return switched_off(self.switch)
 
     def load(self) -> ModuleType | None:
         """The compiled module, or None. Decided once per process."""

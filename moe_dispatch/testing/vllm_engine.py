@@ -21,12 +21,27 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 RESULT = "MOE_DISPATCH_RESULT "
 FAMILIES = ("qwen3_moe", "mixtral")
+
+
+def call(python: str | Path, *args: str, env: dict[str, str] | None = None,
+         cwd: str | Path | None = None, timeout: float | None = None) -> tuple[dict[str, Any], str]:
+    """Run this module under ``python`` (the vLLM environment's) as a subprocess: its
+    ``MOE_DISPATCH_RESULT`` and the whole log; RuntimeError with the log's tail if it fails."""
+    proc = subprocess.run([str(python), "-m", "moe_dispatch.testing.vllm_engine", *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    log = proc.stdout + proc.stderr
+    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT)]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"engine failed (rc {proc.returncode}):\n{log[-6000:]}")
+    return json.loads(lines[-1][len(RESULT):]), log
 
 
 def make_checkpoint(family: str, out: str, *, experts: int = 8, top_k: int = 2,

@@ -20,17 +20,18 @@ import logging
 import os
 from typing import Any
 
+from ..kernels._native import switched_off
+
 ENV = "MOE_DISPATCH_VLLM"
 LOGGER_NAME = "vllm.moe_dispatch"  # under "vllm": vLLM's handlers and levels apply
 # MoELayer keyword arguments for the layers the plugin builds (set before the engine starts;
 # the engine's worker processes inherit only what the environment says).
 LAYER_OPTIONS: dict[str, Any] = {}
-_OFF = ("0", "off", "false", "no")
 
 
 def enabled() -> bool:
     """Whether the plugin is on (``MOE_DISPATCH_VLLM`` is unset or not 0/off/false/no)."""
-    return os.environ.get(ENV, "1").strip().lower() not in _OFF
+    return not switched_off(ENV)
 
 
 def _logger() -> logging.Logger:

@@ -60,11 +60,7 @@ def serve(layer: Any, options: dict[str, Any], logger: logging.Logger) -> MoELay
     try:
         config, weights = describe(layer)
         md = MoELayer(config, **options).load_weights(**weights).prepare()
-    except NotServed as exc:
-        _once(logger, logging.INFO, "skip " + _shape_key(layer) + str(exc),
-              "moe-dispatch: %s left to vLLM's MoE path: %s", _shape_key(layer), exc)
-        return None
-    except MoEDispatchError as exc:
+    except (NotServed, MoEDispatchError) as exc:  # a reason, not a failure
         _once(logger, logging.INFO, "skip " + _shape_key(layer) + str(exc),
               "moe-dispatch: %s left to vLLM's MoE path: %s", _shape_key(layer), exc)
         return None
