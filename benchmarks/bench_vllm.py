@@ -2,13 +2,13 @@
 plugin against vLLM's own CPU MoE path, on the same random checkpoints.
 
 Usage: .venv/bin/python benchmarks/bench_vllm.py [--models tiny,c2] [--dtypes bfloat16,float32]
-       [--rounds 3] [--engines 2]
+       [--rounds 4] [--engines 2] [--decode 8,72]
 
 Needs .venv-vllm (scripts/setup-vllm.sh). Each engine is its own process (vLLM's engine
 owns process-wide state): for each model and dtype the two sides start alternately,
 vllm, plugin, plugin, vllm, ... (``--engines`` of each), each measuring every rate
 ``--rounds`` times; a side's figure is the median over all its rounds. Decode rate: batch b
-of 8-token prompts, tokens/s from the difference between generating 8 and 72 tokens
+of 8-token prompts, tokens/s from the difference between generating 8 and 72 tokens (``--decode``)
 (prefill cancels out). Prefill rate: one 512-token prompt, 1 token generated.
 
 Models (random weights, vocab 1024, 2 layers, made with transformers' save_pretrained):
@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--engines", type=int, default=2, help="engine processes per side")
+    p.add_argument("--decode", default="8,72", help="A,B: decode rate from generating A and B tokens")
     args = p.parse_args(argv)
     if not PYTHON.exists():
         raise SystemExit(f"no vLLM environment at {PYTHON}: run scripts/setup-vllm.sh")
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 for side in order[:2 * args.engines]:
                     res, log = engine(
                         ["run", "--model", ckpt, "--dtype", dtype, "--prompts", prompts,
-                         "--max-tokens", "2", "--decode", "8,72",
+                         "--max-tokens", "2", "--decode", args.decode,
                          "--batches", ",".join(map(str, BATCHES)), "--prefill", str(PREFILL),
                          "--rounds", str(args.rounds)],
                         {"MOE_DISPATCH_VLLM": "0" if side == "vllm" else "1"})
