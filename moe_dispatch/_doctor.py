@@ -11,11 +11,11 @@ from typing import Any
 from ._capabilities import Capabilities
 from ._registry import get_registry
 from ._spec import BackendRecord
-from .kernels import schema_arguments, schema_problem
+from .kernels import huge_pages_used, schema_arguments, schema_problem, thp_mode
 
 FRAMEWORK_ENV = ("MOE_DISPATCH_BACKEND", "MOE_DISPATCH_DISABLE", "MOE_DISPATCH_PLUGINS",
                  "MOE_DISPATCH_STRICT", "MOE_DISPATCH_POLICY", "MOE_DISPATCH_TUNING_CACHE",
-                 "OMP_NUM_THREADS")
+                 "MOE_DISPATCH_HUGE_PAGES", "OMP_NUM_THREADS")
 ISA = ("avx2", "fma_f16c", "avx512", "avx512_bw_vl", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16", "mkldnn")
 
 
@@ -51,6 +51,7 @@ def collect() -> dict[str, Any]:
         cpu=dict(vendor=caps.cpu_vendor, model=caps.cpu_model, arch=caps.arch, family=caps.cpu_family,
                  model_id=caps.cpu_model_id, zen_generation=caps.zen_generation),
         isa={f: getattr(caps, f) for f in ISA}, threads=caps.threads, torch=caps.torch_version,
+        huge_pages=dict(mode=thp_mode(), used=huge_pages_used()),
         backends=[dict(name=r.name, priority=r.priority, source=r.source,
                        description=r.spec.description, version=r.spec.version,
                        diagnostics=backend_diagnostics(r),
@@ -61,12 +62,20 @@ def collect() -> dict[str, Any]:
         env_vars=list(env_vars(snap.records)))
 
 
+def _pages_line(hp: dict[str, Any]) -> str:
+    how = ("backends' prepacked weights are allocated with MADV_HUGEPAGE" if hp["used"] else
+           "off (MOE_DISPATCH_HUGE_PAGES=0)" if hp["mode"] in ("always", "madvise") else
+           "not offered by the OS")
+    return f"memory    transparent huge pages: {hp['mode']}; {how}"
+
+
 def render(data: dict[str, Any]) -> str:
     c = data["cpu"]
     out = [f"CPU       {c['vendor']} {c['model']} ({c['arch']}, family {c['family']}, model "
            f"{c['model_id']}, Zen generation {c['zen_generation'] or '-'})",
            "ISA       " + "  ".join(f"{k}={'yes' if v else 'no'}" for k, v in data["isa"].items()),
-           f"threads   {data['threads']}", f"torch     {data['torch']}", "backends (priority order):"]
+           f"threads   {data['threads']}", f"torch     {data['torch']}", _pages_line(data["huge_pages"]),
+           "backends (priority order):"]
     for b in data["backends"]:
         out.append(f"  {b['priority']:>5}  {b['name']:<14} {b['version'] or '-':<12} {b['source']}")
         for label, text in b["diagnostics"].items():

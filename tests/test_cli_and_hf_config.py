@@ -77,9 +77,11 @@ def test_doctor(capsys):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "CPU" in out and "torch" in out and "backends (priority order)" in out
-    assert "MOE_DISPATCH_DISABLE" in out
+    assert "MOE_DISPATCH_DISABLE" in out and "MOE_DISPATCH_HUGE_PAGES" in out
+    assert f"transparent huge pages: {md.kernels.thp_mode()}" in out
     assert main(["doctor", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
+    assert data["huge_pages"] == {"mode": md.kernels.thp_mode(), "used": md.kernels.huge_pages_used()}
     names = [b["name"] for b in data["backends"]]
     assert names == md.available_backends() and "torch" in names
     by_name = {b["name"]: b for b in data["backends"]}

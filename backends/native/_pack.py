@@ -12,7 +12,8 @@ a multiple of 32 (the inputs are zero there too, so the padding adds exactly not
 
 The integers and scales are those of :class:`~moe_dispatch.QuantizedExperts` (and so of a
 GGUF Q8_0 / Q4_0 file), moved, never rounded: the mapping is lossless. Everything here is
-a new tensor: the caller's are only read.
+a new tensor, the large ones in huge pages where the OS offers them (the toolkit's
+``large_zeros``): the caller's are only read.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class Packed:
 
 def _pad_k(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     e, n, k = t.shape
-    out = torch.zeros(e, n, padded(k), dtype=dtype)
+    out = md.kernels.large_zeros((e, n, padded(k)), dtype)
     out[..., :k] = t  # a copy even when no padding is needed: the kernel owns its weights
     return out
 
@@ -70,7 +71,7 @@ def pack_quantized(t: md.QuantizedTensor) -> Packed:
         return Packed(q, t.scales.clone().contiguous(), None, s.group_size // BLOCK)
     g = s.group_size
     assert g is not None and k % BLOCK == 0  # the config checks that g divides K
-    q = torch.empty(e, n, k // 2, dtype=torch.uint8)
+    q = md.kernels.large_zeros((e, n, k // 2), torch.uint8)
     for i in range(e):  # one expert at a time: the unpacked values are 4x its packed bytes
         u = t.stored(i, torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
         q[i] = (u[:, :, 0, :] | (u[:, :, 1, :] << 4)).reshape(n, k // 2)

@@ -55,7 +55,7 @@ def _pad_w13(w: torch.Tensor, inter: int, new: int, interleaved: bool) -> torch.
 
 def _prepack(w: torch.Tensor, isa: str) -> torch.Tensor:
     src = w.contiguous()
-    out = torch.empty_like(src)
+    out = md.kernels.large_zeros(src.shape, src.dtype)  # huge pages where offered
     torch.ops._C.prepack_moe_weight(src, out, isa)
     return out
 
