@@ -207,6 +207,20 @@ def test_caller_tensors_untouched_and_in_place_updates_detected(build):
             layer(x, tw, ids)
 
 
+@pytest.mark.parametrize("scheme", [None, md.QuantScheme("int8"), md.QuantScheme("int4", group_size=32)],
+                         ids=["bf16", "int8", "int4"])
+def test_a_tokens_result_does_not_depend_on_the_tokens_beside_it(build, scheme):
+    # An expert's routed tokens are dotted two at a time (each weight widened once for
+    # both); every sum keeps the one-token order, so a row is bit for bit the row alone.
+    cfg = _cfg(scheme, has_bias=True)
+    layer, _, _ = _layer(cfg)
+    x, tw, _ = random_routing(cfg, 7, seed=5)
+    ids = torch.tensor([[0, 1], [1, 0], [0, 2], [0, 1], [3, 3], [0, 5], [1, 0]])  # shared experts
+    batch = layer(x, tw, ids)
+    for t in range(7):
+        assert torch.equal(batch[t], layer(x[t:t + 1], tw[t:t + 1], ids[t:t + 1])[0]), t
+
+
 def test_eight_threads_agree_with_the_serial_result(build):
     cfg = _cfg(md.QuantScheme("int8"))
     layer, _, _ = _layer(cfg)

@@ -130,11 +130,18 @@ class Experts {
           const int64_t rg = act_ == kSwigluOai ? 2 * u : u;
           const int64_t ru = act_ == kSwigluOai ? 2 * u + 1 : inter_ + u;
           const float bg = b13 ? b13[e * 2 * inter_ + rg] : 0.f, bu = b13 ? b13[e * 2 * inter_ + ru] : 0.f;
-          for (int64_t j = 0; j < n; ++j) {
-            float o[2];
-            row_dot2(fmt_, w13_, e, rg, ru, xin, source(order[start[e] + j]), o);
+          for (int64_t j = 0; j < n; j += 2) {  // the expert's pairs two at a time
+            float o[4];
+            const int64_t s0 = source(order[start[e] + j]);
+            const bool two = j + 1 < n;
+            if (two) row_dot2x2(fmt_, w13_, e, rg, ru, xin, s0, source(order[start[e] + j + 1]), o);
+            else row_dot2(fmt_, w13_, e, rg, ru, xin, s0, o);
             gate[j * kUnits + u - u0] = o[0] + bg;
             up[j * kUnits + u - u0] = o[1] + bu;
+            if (two) {
+              gate[(j + 1) * kUnits + u - u0] = o[2] + bg;
+              up[(j + 1) * kUnits + u - u0] = o[3] + bu;
+            }
           }
         }
         for (int64_t j = 0; j < n; ++j) {
@@ -166,14 +173,18 @@ class Experts {
         for (int64_t h = h0; h < h0 + half; ++h) {
           const int64_t h2 = h + half < h1 ? h + half : h;
           const float bias0 = b2 ? b2[e * hidden_ + h] : 0.f, bias1 = b2 ? b2[e * hidden_ + h2] : 0.f;
-          for (int64_t slot = start[e]; slot < start[e + 1]; ++slot) {
-            const int64_t p = order[slot];
-            const float scale = on_input ? 1.f : w[p];
-            float o[2];
-            row_dot2(fmt_, w2_, e, h, h2, ain, p, o);
-            float* a = acc.data() + (p / top_k) * width - h0;
-            a[h] += scale * (o[0] + bias0);
-            if (h2 != h) a[h2] += scale * (o[1] + bias1);
+          for (int64_t slot = start[e]; slot < start[e + 1]; slot += 2) {  // two pairs at a time
+            const bool two = slot + 1 < start[e + 1];
+            float o[4];
+            if (two) row_dot2x2(fmt_, w2_, e, h, h2, ain, order[slot], order[slot + 1], o);
+            else row_dot2(fmt_, w2_, e, h, h2, ain, order[slot], o);
+            for (int64_t q = 0; q < (two ? 2 : 1); ++q) {
+              const int64_t p = order[slot + q];
+              const float scale = on_input ? 1.f : w[p];
+              float* a = acc.data() + (p / top_k) * width - h0;
+              a[h] += scale * (o[2 * q] + bias0);
+              if (h2 != h) a[h2] += scale * (o[2 * q + 1] + bias1);
+            }
           }
         }
       }
