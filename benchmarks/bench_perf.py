@@ -6,7 +6,10 @@ Usage:
 
 All timings are medians of rounds in one process: each round calls every candidate once,
 in a shuffled order, on the same fresh routing, so the machine's noise hits every candidate
-alike. Per grid point it reports:
+alike; a 128 MiB read before every call leaves the caches cold, as every other layer's
+weights leave them in a model (and as the tuner times its candidates: timed warm, a layer
+whose active experts fit in the last-level cache ranks kernels by a state no model run
+sees). Per grid point it reports:
 - every accepting built-in backend through MoELayer (forced);
 - the raw zentorch op and the raw vLLM kernel on the forced layers' prepared weights;
 - the layer with policy="auto" (the default, tuned fresh at prepare()), policy="priority"
@@ -31,7 +34,7 @@ import time
 import torch
 
 import moe_dispatch as md
-from moe_dispatch._timing import paired_ratio, time_pairs, time_rounds
+from moe_dispatch._timing import CacheFlush, paired_ratio, time_pairs, time_rounds
 from moe_dispatch.testing import random_inputs, random_weights
 
 from bench_backends import raw_kernels
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"machine: {caps.fingerprint()} ({caps.cpu_model}), {torch.get_num_threads()} threads, {args.dtype}",
              f"ceilings measured in this run: {args.dtype} {ceil['matmul_n']}^3 matmul {ceil['matmul_gflops']:.3g} GFLOP/s; "
              f"1 GiB fp32 read {ceil['read_gbs']:.1f} GB/s", ""]
+    flush = CacheFlush()
     for cname in args.config:
         config = md.MoEConfig(**CONFIGS[cname], dtype=dtype)
         w = random_weights(config)
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         bytes_per_expert = 3 * config.hidden_size * config.intermediate_size * w["w13"].element_size()
         for tokens in TOKENS:
             samples = time_rounds(dict(fns), random_inputs(config, tokens), reps_for(tokens, args.reps),
-                                  seed=tokens)
+                                  seed=tokens, between=flush)
             med = {n: statistics.median(v) for n, v in samples.items()}
             best = min(backends + list(raws), key=lambda b: med[b])
             regrets = [paired_ratio(samples, f"policy={p}", best) for p in ("auto", "priority", "fastest")]

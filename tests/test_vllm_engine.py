@@ -129,3 +129,18 @@ def test_the_example_runs_as_is() -> None:
     assert proc.returncode == 0, log[-6000:]
     assert "generated token ids: [" in proc.stdout
     assert len(plugin_lines(log)) == 1
+
+
+def test_the_benchmarks_duel_holds_one_engine_of_each_side(tmp_path: Path) -> None:
+    # bench_vllm's method: both engines alive in one driver, measured in alternation.
+    engine("make", "--family", "qwen3_moe", "--out", str(tmp_path))
+    res, log = engine("duel", "--model", str(tmp_path), "--dtype", "float32", "--prompts",
+                      json.dumps(PROMPTS[:2]), "--decode", "2,6", "--batches", "1,2",
+                      "--rounds", "2")
+    assert len(plugin_lines(log)) == 1  # the plugin's engine, and only it, serves the layers
+    assert "moe-dispatch: plugin off (MOE_DISPATCH_VLLM=0)" in log
+    for measure in ("decode b=1", "decode b=2"):
+        r = res[measure]
+        assert len(r["vllm"]) == len(r["plugin"]) == 2 and min(r["vllm"] + r["plugin"]) > 0
+        assert r["ratio"] > 0
+    assert res["rss_gib"]["vllm"] > 0 and res["rss_gib"]["plugin"] > 0

@@ -13,6 +13,15 @@ first step's top logprobs; with ``--decode A,B`` the decode rate per batch size,
 second from the difference between generating A and B tokens (prefill cancels out); with
 ``--prefill N`` the prefill rate of one N-token prompt.
 ``MOE_DISPATCH_VLLM=0`` in the environment runs vLLM's own MoE path.
+
+    python -m moe_dispatch.testing.vllm_engine duel --model DIR --dtype bfloat16 \
+        --prompts '[[...], ...]' --decode 8,40 --batches 1,8 --prefill 512 --rounds 8
+
+``duel`` holds two engines at once, vLLM's own path and the plugin (each its own spawned
+engine process, the plugin switched by the environment each inherits), and measures them
+in alternation, a shuffled order per round: a pair of rates minutes apart on this kind of
+machine differs by up to a third, a pair measured back to back does not. It reports each
+side's rates and the median over rounds of the plugin's rate over vLLM's.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -87,6 +97,12 @@ def _timed(llm: Any, prompts: list[dict[str, Any]], tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def _engine(model: str, dtype: str) -> Any:
+    from vllm import LLM
+    return LLM(model=model, skip_tokenizer_init=True, dtype=dtype, max_model_len=1024,
+               enforce_eager=True, seed=0)
+
+
 def run_engine(model: str, dtype: str, prompts: list[list[int]], max_tokens: int,
                logprobs: int = 5, decode: tuple[int, int] | None = None,
                batches: tuple[int, ...] = (), prefill: int = 0,
@@ -95,10 +111,9 @@ def run_engine(model: str, dtype: str, prompts: list[list[int]], max_tokens: int
     of the first b prompts for each b in ``batches`` (default: all of them); with
     ``prefill=N`` the prefill rate of one N-token prompt. Rates are medians of ``rounds``."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes all RAM
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     start = time.perf_counter()
-    llm = LLM(model=model, skip_tokenizer_init=True, dtype=dtype, max_model_len=1024,
-              enforce_eager=True, seed=0)
+    llm = _engine(model, dtype)
     up_s = time.perf_counter() - start
     batch = [{"prompt_token_ids": p} for p in prompts]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs,
@@ -111,13 +126,7 @@ def run_engine(model: str, dtype: str, prompts: list[list[int]], max_tokens: int
         "first_logprobs": [{str(t): lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}
                            for o in outputs],
     }
-    try:  # resident memory of the engine's processes (vLLM depends on psutil)
-        import psutil
-        me = psutil.Process()
-        result["rss_gib"] = sum(p.memory_info().rss for p in [me, *me.children(recursive=True)]
-                                ) / 2 ** 30
-    except Exception:
-        pass
+    result["rss_gib"] = _rss_gib()  # the engine's processes
     if decode is not None:
         short, long = decode
         result["decode_tok_s"] = {}
@@ -134,6 +143,48 @@ def run_engine(model: str, dtype: str, prompts: list[list[int]], max_tokens: int
         rates = [prefill / _timed(llm, [{"prompt_token_ids": ids}], 1) for _ in range(rounds)]
         result["prefill_tok_s"] = {"median": statistics.median(rates), "rounds": rates}
     return result
+
+
+def duel(model: str, dtype: str, prompts: list[list[int]], decode: tuple[int, int],
+         batches: tuple[int, ...], prefill: int, rounds: int, seed: int = 0) -> dict[str, Any]:
+    """vLLM's own path and the plugin side by side in one driver (see the module text)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # spawn, not fork: a forked engine process would inherit this driver's plugin state
+    # (vLLM loads plugins once per process), not the switch set for its side.
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    engines, rss = {}, {}
+    for side, switch in (("vllm", "0"), ("plugin", "1")):
+        os.environ["MOE_DISPATCH_VLLM"] = switch
+        before = _rss_gib()
+        engines[side] = _engine(model, dtype)
+        rss[side] = _rss_gib() - before  # what this engine's processes hold
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    short, long = decode
+    measures: dict[str, Any] = {
+        f"decode b={b}": lambda llm, b=b: b * (long - short) / (
+            _timed(llm, batch[:b], long) - _timed(llm, batch[:b], short)) for b in batches}
+    if prefill:
+        ids = [{"prompt_token_ids": [(7 * i + 3) % 1000 + 1 for i in range(prefill)]}]
+        measures[f"prefill {prefill}"] = lambda llm: prefill / _timed(llm, ids, 1)
+    rng = random.Random(seed)
+    rates: dict[str, dict[str, list[float]]] = {m: {"vllm": [], "plugin": []} for m in measures}
+    for _ in range(rounds):
+        for name, measure in measures.items():
+            for side in rng.sample(sorted(engines), 2):
+                rates[name][side].append(measure(engines[side]))
+    out: dict[str, Any] = {
+        name: {**r, "ratio": statistics.median(p / v for p, v in zip(r["plugin"], r["vllm"])),
+               "medians": {s: statistics.median(x) for s, x in r.items()}}
+        for name, r in rates.items()}
+    out["rss_gib"] = rss
+    return out
+
+
+def _rss_gib() -> float:
+    """Resident memory of this process and its children (vLLM depends on psutil)."""
+    import psutil
+    me = psutil.Process()
+    return sum(p.memory_info().rss for p in [me, *me.children(recursive=True)]) / 2 ** 30
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,6 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--batches", default="", help="B1,B2: decode batch sizes (first Bi prompts)")
     run.add_argument("--prefill", type=int, default=0, help="N: prefill rate of an N-token prompt")
     run.add_argument("--rounds", type=int, default=3)
+    both = sub.add_parser("duel", help="vLLM's own path and the plugin, two engines alternating")
+    for name in ("--model", "--prompts", "--decode"):
+        both.add_argument(name, required=True)
+    both.add_argument("--dtype", default="bfloat16")
+    both.add_argument("--batches", default="1,8")
+    both.add_argument("--prefill", type=int, default=0)
+    both.add_argument("--rounds", type=int, default=8)
     args = parser.parse_args(argv)
     if args.cmd == "make":
         make_checkpoint(args.family, args.out, experts=args.experts, top_k=args.top_k,
@@ -164,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         print(RESULT + json.dumps({"out": args.out}), flush=True)
         return 0
     decode = tuple(int(x) for x in args.decode.split(",")) if args.decode else None
+    if args.cmd == "duel":
+        print(RESULT + json.dumps(duel(args.model, args.dtype, json.loads(args.prompts), decode,
+                                       tuple(int(x) for x in args.batches.split(",")),
+                                       args.prefill, args.rounds)), flush=True)
+        return 0
     batches = tuple(int(x) for x in args.batches.split(",")) if args.batches else ()
     result = run_engine(args.model, args.dtype, json.loads(args.prompts), args.max_tokens,
                         args.logprobs, decode, batches,  # type: ignore[arg-type]
