@@ -38,7 +38,7 @@ if not PYTHON.exists():
 
 _rng = random.Random(1)
 # Two short prompts (decode and a small prefill through the decode routes) and one of 300
-# tokens (the prefill routes: fp32 prefill goes to another backend than decode here).
+# tokens (the prefill routes, which may differ from the decode ones).
 PROMPTS = [[1, 5, 9, 33, 100, 7], [3, 3, 3, 900, 12, 4, 77, 8, 1, 2, 3, 4],
            [_rng.randrange(1024) for _ in range(300)]]
 

@@ -287,3 +287,29 @@ def test_register_is_off_with_the_env_and_never_raises(monkeypatch: pytest.Monke
 def test_the_plugin_is_registered_for_vllm() -> None:
     eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert eps.get("moe_dispatch") == "moe_dispatch.vllm_plugin:register"
+
+
+def test_the_plugins_layers_leave_out_the_default_backends_unless_told(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import moe_dispatch.vllm_plugin as plugin
+    monkeypatch.delenv(plugin.EXCLUDE_ENV, raising=False)
+    monkeypatch.delenv("MOE_DISPATCH_BACKEND", raising=False)
+    assert plugin.layer_options()["exclude"] == ("zentorch",) == (plugin.DEFAULT_EXCLUDE,)
+    monkeypatch.setenv(plugin.EXCLUDE_ENV, " torch , onednn")
+    assert plugin.layer_options()["exclude"] == ("torch", "onednn")
+    monkeypatch.setenv(plugin.EXCLUDE_ENV, "")
+    assert "exclude" not in plugin.layer_options()  # every backend competes
+    monkeypatch.setattr(plugin, "LAYER_OPTIONS", {"exclude": ("vllm",)})
+    monkeypatch.setenv(plugin.EXCLUDE_ENV, "zentorch")
+    assert plugin.layer_options()["exclude"] == ("vllm", "zentorch")
+    monkeypatch.setenv("MOE_DISPATCH_BACKEND", "zentorch")  # forced: never left out
+    assert plugin.layer_options() == {"exclude": ("vllm",)}
+    monkeypatch.setattr(plugin, "LAYER_OPTIONS", {"backend": "torch"})
+    monkeypatch.delenv("MOE_DISPATCH_BACKEND")
+    assert plugin.layer_options() == {"backend": "torch"}
+    # the layer built from those options shows the exclusion in explain()
+    cfg = md.MoEConfig(8, 2, 64, 32, dtype=torch.float32)
+    monkeypatch.setattr(plugin, "LAYER_OPTIONS", {})
+    monkeypatch.delenv(plugin.EXCLUDE_ENV)
+    layer = md.MoELayer(cfg, tuning_cache=False, **plugin.layer_options())
+    assert "zentorch" in layer.load_weights(**random_weights(cfg)).prepare().resolution.excluded
