@@ -117,6 +117,23 @@ def test_a_clear_loser_is_not_timed_at_larger_buckets(default_policy):
         assert set(slow.calls) == {1, 2, 4, 8, 16, 32, 64}  # "fastest" times everything
 
 
+def test_a_near_tie_is_timed_again_between_the_best_two_only(default_policy):
+    """The best two within RUNOFF_MARGIN get RUNOFF_REPS more rounds; a clear win, none."""
+    from moe_dispatch._tuning import RUNOFF_MARGIN, RUNOFF_REPS
+    assert 11 / 10 < 1 + RUNOFF_MARGIN < 20 / 10
+
+    def calls_at_t1(**paced: Paced) -> dict[str, int]:
+        with md.use_registry(_registry(**{n: (50 - i, b) for i, (n, b) in enumerate(paced.items())})):
+            layer = md.MoELayer(CFG, tune_max_tokens=1, tuning_cache=False, max_candidates=3)
+            layer.load_weights(**random_weights(CFG)).prepare()
+        return {n: b.calls[1] for n, b in paced.items()}
+
+    near = calls_at_t1(a=Paced(10, 10), b=Paced(11, 11), c=Paced(20, 20))
+    clear = calls_at_t1(a=Paced(5, 5), b=Paced(10, 10), c=Paced(20, 20))
+    assert near["a"] - clear["a"] == near["b"] - clear["b"] == RUNOFF_REPS
+    assert near["c"] == clear["c"]  # not one of the best two: no runoff
+
+
 def test_the_budget_bounds_the_first_prepare(default_policy, caplog):
     a, b = Paced(40, 40), Paced(45, 45)  # ~0.5 s per bucket (2 backends x 6 calls)
     with md.use_registry(_registry(a=(50, a), b=(40, b))), \

@@ -12,6 +12,7 @@ import moe_dispatch as md
 from helpers import TOLERANCE, random_routing, random_weights, reference, rel_error
 from moe_dispatch._plan import bucket_index
 from moe_dispatch._tuning import bucket_sizes, pick_winner
+from moe_dispatch._tuning_cache import CACHE_VERSION
 
 CFG = md.MoEConfig(8, 2, 64, 32, dtype=torch.float32)
 
@@ -57,7 +58,7 @@ def test_fastest_tunes_persists_and_stays_correct(tmp_path):
         x, tw, ids = random_routing(CFG, t, seed=t)
         assert rel_error(layer(x, tw, ids), reference(CFG, w, x, tw, ids)) <= TOLERANCE[torch.float32]
     data = json.loads(cache.read_text())
-    assert data["version"] == 1 and len(data["entries"]) == 1
+    assert data["version"] == CACHE_VERSION and len(data["entries"]) == 1
     entry = next(iter(data["entries"].values()))
     assert {int(k) for k in entry["buckets"]} == {1, 2, 4, 8, 16}
     # A second layer reads the cache instead of timing again.
@@ -67,7 +68,8 @@ def test_fastest_tunes_persists_and_stays_correct(tmp_path):
 
 
 @pytest.mark.parametrize("content", ["{not json", "[]", '{"version": 99, "entries": {}}',
-                                     '{"version": 1, "entries": {"KEY": {"buckets": {"1": "no_such_backend"}}}}'])
+                                     '{"version": VERSION, "entries": {"KEY": {"buckets": {"1": "no_such_backend"}}}}',
+                                     '{"version": OLDER, "entries": {}}'])
 def test_corrupt_or_stale_cache_is_ignored_with_warning(tmp_path, content, caplog):
     cache = tmp_path / "tuning.json"
     if "KEY" in content:  # a stale entry under the real key
@@ -75,13 +77,14 @@ def test_corrupt_or_stale_cache_is_ignored_with_warning(tmp_path, content, caplo
         probe.load_weights(**random_weights(CFG)).prepare()
         key = next(iter(json.loads(cache.read_text())["entries"]))
         content = content.replace("KEY", key)
-    cache.write_text(content)
+    cache.write_text(content.replace("OLDER", str(CACHE_VERSION - 1))
+                     .replace("VERSION", str(CACHE_VERSION)))
     with caplog.at_level(logging.WARNING, logger="moe_dispatch"):
         layer = md.MoELayer(CFG, policy="fastest", tune_max_tokens=2, tuning_cache=cache)
         layer.load_weights(**random_weights(CFG)).prepare()
     assert layer.tuned_table is not None
     assert any("tuning cache" in r.message for r in caplog.records if r.levelno == logging.WARNING)
-    assert json.loads(cache.read_text())["version"] == 1  # rewritten as valid data
+    assert json.loads(cache.read_text())["version"] == CACHE_VERSION  # rewritten as valid data
 
 
 def test_max_candidates_caps_the_tuned_set(tmp_path):
