@@ -6,7 +6,10 @@ Blocks: Qwen3-MoE-like (E=64, K=8, H=2048, I=768) and Mixtral-like (E=8, K=2, H=
 each an HF experts module with random weights, called as the model calls it
 (``experts(hidden_states, top_k_index, top_k_weights)``) with
 ``config._experts_implementation`` switched between calls (rounds in a shuffled order on
-the same input, medians).
+the same input, medians). A 128 MiB read before every call leaves the caches cold, as the
+model's other layers leave them (and as bench_perf and the tuner time); ``--warm`` times
+back-to-back calls instead, where a block whose active experts fit in the last-level cache
+(Mixtral-like at T=1: 17 MB) is read from it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import transformers
 
 import moe_dispatch as md
 import moe_dispatch.hf as mdhf
-from moe_dispatch._timing import time_rounds
+from moe_dispatch._timing import CacheFlush, time_rounds
 
 BLOCKS = {
     "qwen3_moe E=64 K=8 H=2048 I=768": lambda: transformers.Qwen3MoeConfig(
@@ -48,11 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--tokens", default="1,8,128,512")
+    p.add_argument("--warm", action="store_true", help="no cache flush between calls")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     mdhf.register()
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, {args.dtype}, "
-          f"{torch.get_num_threads()} threads, machine {md.Capabilities.detect().fingerprint()}")
+          f"{torch.get_num_threads()} threads, machine {md.Capabilities.detect().fingerprint()}, "
+          + ("warm caches" if args.warm else "cold caches (128 MiB read before every call)"))
+    flush = None if args.warm else CacheFlush()
     for name, make in BLOCKS.items():
         cfg = make()
         mod = experts_module(cfg, dtype)
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             # Rounds in a shuffled order, every implementation on the same input (_bench).
             with torch.no_grad():
                 samples = time_rounds({i: run(i) for i in IMPLS}, pool, args.reps, warmup=1,
-                                      seed=tokens)
+                                      seed=tokens, between=flush)
             med = {i: statistics.median(v) for i, v in samples.items()}
             best_hf = min(med["eager"], med["grouped_mm"])
             print(f"| {tokens} | " + " | ".join(f"{med[i]:.2f}" for i in IMPLS)
