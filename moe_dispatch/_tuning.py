@@ -139,9 +139,13 @@ def measure_adaptive(runners: dict[str, Runner], config: MoEConfig, sizes: list[
             return True
         elapsed = time.perf_counter() - start
         reps = 5 if sizes[i] <= 64 else 3
-        if below:  # linear in T from the nearest measured bucket: an overestimate at decode
-            j = max(below)
-            est = sum(timings[j][m] for m in names) * sizes[i] / sizes[j] * (reps + 1) / 1e3
+        if below:  # linear in T from each one's nearest measured bucket: an overestimate at decode
+            est = 0.0
+            for m in names:
+                seen = [j for j in below if m in timings[j]]
+                if seen:
+                    est += timings[max(seen)][m] * sizes[i] / sizes[max(seen)]
+            est *= (reps + 1) / 1e3
             if elapsed + est > budget_s:
                 return False
         elif elapsed > budget_s:

@@ -283,16 +283,19 @@ def test_a_backend_with_max_tokens_serves_only_buckets_up_to_it(default_policy):
 
 
 def test_candidates_dropped_beside_a_decode_kernel_are_timed_where_it_stops(default_policy):
-    """gemm is dropped at T=16 (3x slower than decode at T=8 and 16), but decode serves
-    T <= 16 only: at T=32 (bisected between 16 and the probe at 64) gemm is timed again."""
-    decode, gemm = Paced(1, 1), Paced(2, 3, switch=1)  # gemm: 2x at T=1, then 3x
+    """gemm is dropped at T=16 (3x slower than decode at T=8 and 16), slow at T=8, but
+    decode serves T <= 16 only: at T=32 (bisected between 16 and the probe at 64) both are
+    timed again."""
+    decode, gemm, slow = Paced(1, 1), Paced(2, 3, switch=1), Paced(8, 8)  # gemm: 2x, then 3x
     reg = md.Registry(load_entry_points=False)
     reg.register(md.BackendSpec("decode", 50, decode, max_tokens=16))
     reg.register(md.BackendSpec("gemm", 40, gemm))
+    reg.register(md.BackendSpec("slow", 30, slow))
     with md.use_registry(reg):
         layer = md.MoELayer(CFG, tune_max_tokens=CAP, tuning_cache=False)
         layer.load_weights(**random_weights(CFG)).prepare()
     assert layer.tuned_table == {1: "decode", 2: "decode", 4: "decode", 8: "decode",
                                  16: "decode", 32: "gemm", 64: "gemm"}
     assert {32, 64} <= set(gemm.calls) and max(decode.calls) <= 16
+    assert 32 in slow.calls and 16 not in slow.calls
     assert "T<=32    gemm         measured" in layer.explain()
