@@ -34,7 +34,8 @@ def pick_winner(medians: dict[str, float], default: str, margin: float = SWITCH_
 
 
 def within_limits(table: dict[int, str], timings: Timings, sizes: list[int],
-                   records: dict[str, BackendRecord]) -> dict[int, str]:
+                   records: dict[str, BackendRecord], weight_format: str = "float"
+                   ) -> dict[int, str]:
     """The table with every bucket routed to a candidate that serves it
     (``BackendSpec.max_tokens``): a bucket whose winner does not serve it takes the fastest
     candidate that does at the nearest measured bucket, else the first unlimited one in
@@ -42,13 +43,14 @@ def within_limits(table: dict[int, str], timings: Timings, sizes: list[int],
     where = {t: i for i, t in enumerate(sizes)}
     out = dict(table)
     for t in sizes:
-        if records[out[t]].spec.serves(t):
+        if records[out[t]].spec.serves(t, weight_format):
             continue
         for m in sorted(timings, key=lambda m: (abs(where[m] - where[t]), m)):
-            ok = {n: ms for n, ms in timings[m].items() if n in records and records[n].spec.serves(t)}
+            ok = {n: ms for n, ms in timings[m].items()
+                  if n in records and records[n].spec.serves(t, weight_format)}
             if ok:
                 out[t] = min(ok, key=lambda n: (ok[n], n))
                 break
         else:
-            out[t] = next((n for n in records if records[n].spec.serves(t)), out[t])
+            out[t] = next((n for n in records if records[n].spec.serves(t, weight_format)), out[t])
     return out

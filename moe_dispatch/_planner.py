@@ -64,8 +64,9 @@ def build_plan(config: MoEConfig, options: LayerOptions, config_stage: Resolutio
         table, tuned, note = tune(config, final, route, weights, build, options.tuning,
                                   lambda r: _runner(r, pair_of(r)))
         note = f"policy={options.policy}: {note}"
-    if table is None and res.forced is None and rec.spec.max_tokens is not None:
-        table, tuned, note = _limited(final, route, weights, build, options.tuning.max_tokens)
+    fmt = config.weight_format
+    if table is None and res.forced is None and rec.spec.token_limit(fmt) is not None:
+        table, tuned, note = _limited(final, route, weights, build, options.tuning.max_tokens, fmt)
     routes = (route,) if table is None else tuple({id(r): r for r in table}.values())
     natives = None
     if guard is not None and any(pair_of(r) is not None for r in routes):
@@ -81,14 +82,16 @@ def build_plan(config: MoEConfig, options: LayerOptions, config_stage: Resolutio
 
 
 def _limited(final: Resolution, route: Route, weights: LayerWeights,
-             build: Callable[[BackendRecord], Any], cap: int
+             build: Callable[[BackendRecord], Any], cap: int, fmt: str
              ) -> tuple[tuple[Route, ...] | None, dict[int, dict[str, Any]] | None, str]:
-    """The chosen backend serves buckets up to its ``max_tokens``; the first backend after
-    it without a limit that accepts the layer serves the rest (prepared here)."""
-    limit = route.record.spec.max_tokens
+    """The chosen backend serves buckets up to its ``max_tokens`` for the weights' format
+    ``fmt``; the first backend after it without a limit that accepts the layer serves the
+    rest (prepared here)."""
+    limit = route.record.spec.token_limit(fmt)
     for cand in final.candidates:
         other = final.record(cand.name)
-        if cand.status is not Status.STANDBY or other is None or other.spec.max_tokens is not None:
+        if (cand.status is not Status.STANDBY or other is None
+                or other.spec.token_limit(fmt) is not None):
             continue
         if not call_check(other, "supports_layer", weights, final.capabilities).accepted:
             continue
@@ -98,7 +101,7 @@ def _limited(final: Resolution, route: Route, weights: LayerWeights,
             log.warning("moe-dispatch: %r could not be prepared for T > %s (%s)", other.name, limit, exc)
             continue
         sizes = bucket_sizes(cap)
-        table = tuple(route if route.record.spec.serves(t) else beyond for t in sizes)
+        table = tuple(route if route.record.spec.serves(t, fmt) else beyond for t in sizes)
         why = f"{route.name} serves T <= {limit} (its max_tokens)"
         tuned = {t: {"winner": r.name, "ms": {}, "source": why} for t, r in zip(sizes, table)}
         return table, tuned, f"{why}; larger calls run on {beyond.name}"

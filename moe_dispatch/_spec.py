@@ -163,9 +163,26 @@ def _check_weights(instance: Any, attribute: attrs.Attribute, value: tuple[str, 
                           f"{list(WEIGHT_FORMATS)}")
 
 
+def _limit_ok(value: Any) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+
+
+def _max_tokens_converter(value: Any) -> Any:
+    # A mapping becomes sorted (format, limit) pairs: hashable, like ``ops``.
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), v) for k, v in value.items()))
+    return value
+
+
 def _check_max_tokens(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"BackendSpec.max_tokens={value!r}: expected a positive int or None")
+    if isinstance(value, tuple):
+        bad = [(f, v) for f, v in value if f not in WEIGHT_FORMATS or not _limit_ok(v)]
+        if bad:
+            raise ValueError(f"BackendSpec.max_tokens={dict(value)!r}: expected formats of "
+                             f"{list(WEIGHT_FORMATS)} mapped to a positive int or None")
+    elif not _limit_ok(value):
+        raise ValueError(f"BackendSpec.max_tokens={value!r}: expected a positive int, None, or "
+                         f"a mapping of weight formats ({', '.join(WEIGHT_FORMATS)}) to those")
 
 
 def _check_backend(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -203,8 +220,10 @@ class BackendSpec:
     only some schemes of a format rejects the others in ``supports_config``.
 
     ``max_tokens``: the largest token bucket the backend is routed (a decode kernel that
-    loses to GEMM kernels beyond it); None: every bucket. Buckets above it go to the next
-    backend without such a limit, under every policy; forced, the backend runs every call.
+    loses to GEMM kernels beyond it); None: every bucket; or a mapping from weight format
+    to such a limit (a format it does not name: no limit), for a kernel whose crossover
+    depends on the format. Buckets above it go to the next backend without such a limit,
+    under every policy; forced, the backend runs every call.
     """
 
     name: str = attrs.field(converter=_normalize, validator=_check_name)
@@ -219,11 +238,20 @@ class BackendSpec:
     env_vars: tuple[str, ...] = attrs.field(default=(), converter=_names_converter, kw_only=True)
     weights: tuple[str, ...] = attrs.field(default=("float",), converter=_names_converter,
                                            validator=_check_weights, kw_only=True)
-    max_tokens: int | None = attrs.field(default=None, validator=_check_max_tokens, kw_only=True)
+    max_tokens: int | None | tuple[tuple[str, int | None], ...] = attrs.field(
+        default=None, converter=_max_tokens_converter, validator=_check_max_tokens, kw_only=True)
 
-    def serves(self, tokens: int) -> bool:
-        """Whether calls of ``tokens`` tokens may be routed to this backend."""
-        return self.max_tokens is None or tokens <= self.max_tokens
+    def token_limit(self, weight_format: str = "float") -> int | None:
+        """The largest bucket routed to this backend for weights of ``weight_format``."""
+        if isinstance(self.max_tokens, tuple):
+            return dict(self.max_tokens).get(weight_format)
+        return self.max_tokens
+
+    def serves(self, tokens: int, weight_format: str = "float") -> bool:
+        """Whether calls of ``tokens`` tokens with ``weight_format`` weights may be routed
+        to this backend."""
+        limit = self.token_limit(weight_format)
+        return limit is None or tokens <= limit
 
 
 @attrs.frozen(slots=True)

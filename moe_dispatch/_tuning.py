@@ -259,11 +259,12 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
         prepare_all(names)
         runners = _working_runners(prepared, chosen.name, config, runner)
         def serves(name: str, tokens: int) -> bool:
-            return records[name].spec.serves(tokens)
+            return records[name].spec.serves(tokens, config.weight_format)
 
         fn = measure_adaptive if options.adaptive else measure
         table, timings = fn(runners, config, sizes, options.budget_s, chosen.name, serves=serves)
-        table = within_limits(table, timings, sizes, {n: records[n] for n in prepared})
+        table = within_limits(table, timings, sizes, {n: records[n] for n in prepared},
+                              config.weight_format)
         measured = set(timings)
         if cache is not None:
             cache.put(key, table, timings, config)

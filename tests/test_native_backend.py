@@ -131,9 +131,15 @@ def test_a_build_that_fails_is_a_rejection_with_the_reason(monkeypatch):
 
 def test_max_tokens_is_declared_and_validated():
     spec = next(r.spec for r in md.get_registry().snapshot().records if r.name == "native")
-    assert spec.max_tokens == MAX_TOKENS and spec.serves(MAX_TOKENS) and not spec.serves(MAX_TOKENS + 1)
+    assert spec.token_limit("float") == MAX_TOKENS
+    assert spec.serves(MAX_TOKENS) and not spec.serves(MAX_TOKENS + 1)
+    assert spec.serves(10_000, "int8") and spec.serves(10_000, "int4")  # quantized: no limit
     with pytest.raises(ValueError, match="max_tokens=0"):
         md.BackendSpec("x", 1, NativeBackend(), max_tokens=0)
+    with pytest.raises(ValueError, match="max_tokens=.'int9': 4.*expected formats"):
+        md.BackendSpec("x", 1, NativeBackend(), max_tokens={"int9": 4})
+    with pytest.raises(ValueError, match="max_tokens=.'int8': 0"):
+        md.BackendSpec("x", 1, NativeBackend(), max_tokens={"int8": 0})
 
 
 # -- the kernel, for real --------------------------------------------------------------------
@@ -268,3 +274,18 @@ def test_priority_routes_large_token_counts_past_the_kernel(build):
         assert layer.plan.route_for(1).name == "native" or policy == "auto"
         assert layer.plan.route_for(MAX_TOKENS + 1).name != "native"
         assert layer.plan.route_for(10_000).name != "native"
+
+
+def test_quantized_weights_have_no_token_limit(build):
+    """int8 / int4: "priority" keeps the native kernel at every T (no other quantized path
+    was faster beyond decode), and "auto" times it at every bucket."""
+    cfg = _cfg(md.QuantScheme("int8"))
+    _, ref_w, qe = _layer(cfg)
+    priority = md.MoELayer(cfg, policy="priority", tuning_cache=False).load_weights(qe).prepare()
+    if priority.backend != "native":
+        pytest.skip(f"the resolver chose {priority.backend} here")
+    assert priority.plan.table is None  # one route for every T: no limit to route around
+    _check(priority, cfg, ref_w, MAX_TOKENS + 17)
+    auto = md.MoELayer(cfg, policy="auto", tuning_cache=False, tune_max_tokens=64)
+    auto.load_weights(qe).prepare()
+    assert "native" in auto.plan.tuned[64]["ms"]  # timed at the largest bucket
