@@ -143,10 +143,16 @@ class QuantizedTensor:
         """The ``[E, N, K]`` (``[N, K]`` for one expert) these values stand for: exact in
         float32; in another ``dtype``, computed there (the scale rounded to it once, the
         product once)."""
+        # In place on the one fresh tensor ``stored`` returns: a temporary per step costs a
+        # fresh allocation, page faults and all (measured: sub and mul took 80% of the
+        # portable loop's time at C2 T=1, 17 ms an expert in float32).
         q = self.stored(expert, dtype)
         scales = self.scales if expert is None else self.scales[expert]
-        v = self._grouped(q) - self._offsets(expert, dtype)
-        return (v * scales.to(dtype).unsqueeze(-1)).reshape(q.shape)
+        v = self._grouped(q)
+        offsets = self._offsets(expert, dtype)
+        if not isinstance(offsets, (int, float)) or offsets:
+            v.sub_(offsets)
+        return v.mul_(scales.to(dtype).unsqueeze(-1)).reshape(q.shape)
 
 
 def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
