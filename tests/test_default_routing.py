@@ -119,7 +119,7 @@ def test_a_clear_loser_is_not_timed_at_larger_buckets(default_policy):
 
 def test_a_near_tie_is_timed_again_between_the_best_two_only(default_policy):
     """The best two within RUNOFF_MARGIN get RUNOFF_REPS more rounds; a clear win, none."""
-    from moe_dispatch._tuning import RUNOFF_MARGIN, RUNOFF_REPS
+    from moe_dispatch._measure import RUNOFF_MARGIN, RUNOFF_REPS
     assert 11 / 10 < 1 + RUNOFF_MARGIN < 20 / 10
 
     def calls_at_t1(**paced: Paced) -> dict[str, int]:
@@ -286,7 +286,7 @@ def test_candidates_dropped_beside_a_decode_kernel_are_timed_where_it_stops(defa
     """gemm is dropped at T=16 (3x slower than decode at T=8 and 16), slow at T=8, but
     decode serves T <= 16 only: at T=32 (bisected between 16 and the probe at 64) both are
     timed again."""
-    decode, gemm, slow = Paced(1, 1), Paced(2, 3, switch=1), Paced(8, 8)  # gemm: 2x, then 3x
+    decode, gemm, slow = Paced(3, 3), Paced(6, 9, switch=1), Paced(24, 24)  # gemm: 2x, then 3x
     reg = md.Registry(load_entry_points=False)
     reg.register(md.BackendSpec("decode", 50, decode, max_tokens=16))
     reg.register(md.BackendSpec("gemm", 40, gemm))

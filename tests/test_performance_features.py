@@ -11,7 +11,7 @@ import torch
 import moe_dispatch as md
 from helpers import TOLERANCE, random_routing, random_weights, reference, rel_error
 from moe_dispatch._plan import bucket_index
-from moe_dispatch._tuning import bucket_sizes, pick_winner
+from moe_dispatch._buckets import bucket_sizes, pick_winner
 from moe_dispatch._tuning_cache import CACHE_VERSION
 
 CFG = md.MoEConfig(8, 2, 64, 32, dtype=torch.float32)
@@ -177,7 +177,7 @@ def test_tuning_reports_progress_after_a_second(caplog):
     """measure() logs one INFO line per bucket once tuning has run for more than a second."""
     import time as _time
 
-    from moe_dispatch._tuning import measure
+    from moe_dispatch._measure import measure
 
     def slow(x, tw, ids):
         _time.sleep(0.05)  # 2 runners x 6 calls x 50 ms: ~0.6 s per bucket
