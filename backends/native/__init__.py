@@ -113,7 +113,7 @@ class NativeBackend(md.BackendBase):
 
 def _version() -> str:
     # The kernel's source hash: a tuning table measured with another kernel is not reused.
-    return "src-" + hashlib.sha256(kernel.SOURCE.read_bytes() + kernel.HEADER.read_bytes()).hexdigest()[:12]
+    return "src-" + hashlib.sha256(b"".join(p.read_bytes() for p in (kernel.SOURCE, *kernel.HEADERS))).hexdigest()[:12]
 
 
 @md.hookimpl

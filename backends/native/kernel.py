@@ -25,7 +25,9 @@ SWITCH = "MOE_DISPATCH_NATIVE_KERNEL"  # 0/false/no/off: the native backend is o
 ISA_ENV = "MOE_DISPATCH_NATIVE_ISA"  # "avx2" or "avx512": that build (if the CPU has it)
 DIR_ENV = "MOE_DISPATCH_NATIVE_DIR"
 SOURCE = Path(__file__).with_name("kernel.cpp")
-HEADER = Path(__file__).with_name("dots.h")  # included by kernel.cpp; an edit rebuilds
+# Included by kernel.cpp (dots.h, which includes the others); an edit of any rebuilds.
+HEADERS = tuple(Path(__file__).with_name(n)
+                for n in ("dots.h", "dots_bf16.h", "dots_quant.h", "layout.h"))
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers; without it the loops run
 # on one thread. The process's libgomp (torch's own, same soname) is the one linked.
 _COMMON = ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c")
@@ -36,7 +38,8 @@ ISAS = ("avx512", "avx2")  # widest first
 
 EXTENSIONS = {isa: NativeExtension(f"moe_dispatch_native_kernel_{isa}", [SOURCE], switch=SWITCH,
                                    dir_env=DIR_ENV, what=f"native kernel ({isa} build)",
-                                   extra_cflags=flags, extra_ldflags=("-fopenmp",), headers=[HEADER],
+                                   extra_cflags=flags, extra_ldflags=("-fopenmp",),
+                                   headers=list(HEADERS),
                                    build_command="python -m moe_dispatch_backends.native")
               for isa, flags in FLAGS.items()}
 
