@@ -34,16 +34,15 @@ inline __m256i pair_dot(__m256i lo, __m256i hi, __m256i x1, __m256i x2) {
 #endif
 }
 
-// dot_quant's int4 blocks [lo, hi) of one group, two at a time where two remain: one 32-byte
+// dot_quant's int4 blocks [lo, hi) of one group, hi - lo even, two at a time: one 32-byte
 // load and three ops unpack two blocks of a row (one block alone takes five). Measured
 // on a Zen 3 at C2 T=1: int4 was bound by this arithmetic at 45% of the DRAM read.
 template <int kN>
-inline void int4_group(const uint8_t* w0, const uint8_t* w1, const int8_t* const* xq,
-                       const float* const* x4, const float* const* xd, int64_t lo, int64_t hi,
-                       __m256* part0, __m256* part1) {
+inline void int4_pairs(const uint8_t* w0, const uint8_t* w1, const int8_t* const* xq,
+                       const float* const* x4, int64_t lo, int64_t hi, __m256* part0,
+                       __m256* part1) {
   const __m256i m = _mm256_set1_epi8(0x0F);
-  int64_t b = lo;
-  for (; b + 1 < hi; b += 2) {
+  for (int64_t b = lo; b < hi; b += 2) {
     if ((b & 3) == 0) {  // 64 bytes of each row per two pairs
       prefetch(w0 + b * 16);
       prefetch(w1 + b * 16);
@@ -58,15 +57,6 @@ inline void int4_group(const uint8_t* w0, const uint8_t* w1, const int8_t* const
       const __m256 scale = _mm256_loadu_ps(x4[n] + b * 4);
       part0[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_dot(lo0, hi0, x1, x2)), scale, part0[n]);
       part1[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_dot(lo1, hi1, x1, x2)), scale, part1[n]);
-    }
-  }
-  for (; b < hi; ++b) {  // the odd last block, in the plain order
-    const __m256i u0 = int4_block(w0 + b * 16), u1 = int4_block(w1 + b * 16);
-    for (int n = 0; n < kN; ++n) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[n] + b * kBlock));
-      const __m256 scale = _mm256_broadcast_ss(xd[n] + b);
-      part0[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(u0, x)), scale, part0[n]);
-      part1[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(u1, x)), scale, part1[n]);
     }
   }
 }
@@ -106,12 +96,14 @@ void dot_quant(const Proj& p, int64_t e, int64_t r0, int64_t r1, const Inputs& i
     __m256 part0[kN], part1[kN];
     float xsum[kN];
     for (int n = 0; n < kN; ++n) part0[n] = part1[n] = _mm256_setzero_ps(), xsum[n] = 0.f;
-    if (kFour && p.paired) {
-      int4_group<kN>(w0, w1, xq, x4, xd, lo, hi, part0, part1);
+    int64_t b = lo;
+    if (kFour && p.paired) {  // pairs of blocks; an odd last one goes through the loop below
+      b = lo + ((hi - lo) & ~int64_t{1});
+      int4_pairs<kN>(w0, w1, xq, x4, lo, b, part0, part1);
       for (int n = 0; n < kN; ++n)
-        for (int64_t b = lo; b < hi; ++b) xsum[n] += xs[n][b];
+        for (int64_t k = lo; k < b; ++k) xsum[n] += xs[n][k];
     }
-    for (int64_t b = (kFour && p.paired) ? hi : lo; b < hi; ++b) {
+    for (; b < hi; ++b) {
       if ((b & lines) == 0) {
         prefetch(w0 + b * bw);
         prefetch(w1 + b * bw);
