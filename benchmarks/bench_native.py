@@ -8,8 +8,9 @@ a fresh routing from a pool of 8 per round, a 128 MiB read between calls so that
 starts on cold caches as decode does in a real model):
 - bf16: every accepting backend forced, the raw vLLM kernel and the raw zentorch op (where
   they run), and the default (``policy="auto"``, tuned fresh);
-- int8 (per channel) and int4 (g128), quantized from the same float weights: the native
-  kernel forced, every other accepting quantized backend forced, and the default.
+- int8 (per channel), int4 g128 and int4 g32 (GGUF Q4_0's blocks), quantized from the same
+  float weights: the native kernel forced, every other accepting quantized backend forced,
+  and the default.
 Printed per row: ms per call; the native kernel's effective bandwidth on the active weight
 bytes (bytes of one expert x distinct experts of the call / time) as a share of this run's
 DRAM read ceiling (a 1 GiB ``torch.sum``); and its speed-up over the fastest other bf16
@@ -30,7 +31,8 @@ from moe_dispatch.testing import random_inputs
 from bench_backends import CONFIGS, raw_kernels
 from bench_perf import read_gbs
 
-SCHEMES = {"int8": md.QuantScheme("int8"), "int4g128": md.QuantScheme("int4", group_size=128)}
+SCHEMES = {"int8": md.QuantScheme("int8"), "int4g128": md.QuantScheme("int4", group_size=128),
+           "int4g32": md.QuantScheme("int4", group_size=32)}  # g32: GGUF Q4_0's blocks
 
 
 def _accepting(config: md.MoEConfig) -> list[str]:
@@ -67,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
             fns[f"{sname} default"] = md.MoELayer(qcfg, tuning_cache=False).load_weights(qe).prepare()
         names = list(fns)
         print(f"### {cname}: {cfg.describe()}\n")
-        print("| T | " + " | ".join(names) + " | native bf16 / int8 / int4: % of DRAM read | "
-              "native bf16 over the fastest other candidate | native int8 / int4 over the fastest bf16 |")
+        formats = " / ".join(["bf16", *SCHEMES])
+        print("| T | " + " | ".join(names) + f" | native {formats}: % of DRAM read | "
+              "native bf16 over the fastest other candidate | "
+              f"native {' / '.join(SCHEMES)} over the fastest bf16 |")
         print("|" + " ---: |" * (len(names) + 4))
         for tokens in [int(t) for t in args.tokens.split(",")]:
             inputs = random_inputs(cfg, tokens, pool=8, seed=tokens)

@@ -179,6 +179,20 @@ def test_hypothesis_shapes_including_odd_sizes(build, data):
     _check(layer, cfg, ref_w, data.draw(st.integers(1, 20)))
 
 
+@pytest.mark.parametrize("scheme", [md.QuantScheme("int4", group_size=32, symmetric=False),
+                                    md.QuantScheme("int4", group_size=32),
+                                    md.QuantScheme("int4", group_size=64, symmetric=False)],
+                         ids=lambda s: s.describe())
+def test_int4_zero_point_term_over_eight_groups_a_vector_and_the_rest(build, scheme):
+    """The zero-point term of an int4 row is summed eight groups a vector and the remainder
+    one at a time: 11 and 3 groups of 32 (H=352, I=96; an odd block count too), 10 and 3 of 64."""
+    g = scheme.group_size
+    cfg = _cfg(scheme, hidden_size=11 * 32 if g == 32 else 10 * 64, intermediate_size=3 * g)
+    layer, ref_w, _ = _layer(cfg)
+    for tokens in (1, 2, 5):
+        _check(layer, cfg, ref_w, tokens)
+
+
 def test_zero_tokens_repeated_ids_and_bad_ids(build):
     cfg = _cfg(md.QuantScheme("int4", group_size=32))
     layer, ref_w, _ = _layer(cfg)

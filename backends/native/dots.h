@@ -15,9 +15,9 @@ inline void row_dot2(int64_t fmt, const Proj& p, int64_t e, int64_t r0, int64_t 
     dot2_bf16(reinterpret_cast<const uint16_t*>(p.row(e, r0)),
               reinterpret_cast<const uint16_t*>(p.row(e, r1)), in.f.data() + i * p.kp, p.kp, o);
   else if (fmt == kInt4)
-    dot_quant<true, 1>(p, e, r0, r1, in, &i, o);
+    dot_int4<1>(p, e, r0, r1, in, &i, o);
   else
-    dot_quant<false, 1>(p, e, r0, r1, in, &i, o);
+    dot_int8<1>(p, e, r0, r1, in, &i, o);
 }
 
 // Rows r0 and r1 dotted with inputs i0 and i1, into o = {r0.i0, r1.i0, r0.i1, r1.i1}:
@@ -32,9 +32,9 @@ inline void row_dot2x2(int64_t fmt, const Proj& p, int64_t e, int64_t r0, int64_
   }
   const int64_t idx[2] = {i0, i1};
   if (fmt == kInt4)
-    dot_quant<true, 2>(p, e, r0, r1, in, idx, o);
+    dot_int4<2>(p, e, r0, r1, in, idx, o);
   else
-    dot_quant<false, 2>(p, e, r0, r1, in, idx, o);
+    dot_int8<2>(p, e, r0, r1, in, idx, o);
 }
 
 constexpr float kSwigluAlpha = 1.702f, kSwigluLimit = 7.f;

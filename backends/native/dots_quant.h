@@ -34,15 +34,81 @@ inline __m256i pair_dot(__m256i lo, __m256i hi, __m256i x1, __m256i x2) {
 #endif
 }
 
-// dot_quant's int4 blocks [lo, hi) of one group, hi - lo even, two at a time: one 32-byte
-// load and three ops unpack two blocks of a row (one block alone takes five). Measured
-// on a Zen 3 at C2 T=1: int4 was bound by this arithmetic at 45% of the DRAM read.
+inline float scale_at(const Proj& p, int64_t i) { return p.s16 ? _cvtsh_ss(p.s16[i]) : p.s32[i]; }
+
+// Scales i and i + 1 as [s_i x 4, s_i+1 x 4]: the lanes of a pair_dot.
+inline __m256 scale_pair(const Proj& p, int64_t i) {
+  if (p.s32) return _mm256_set_m128(_mm_set1_ps(p.s32[i + 1]), _mm_set1_ps(p.s32[i]));
+  int32_t bits;
+  std::memcpy(&bits, p.s16 + i, sizeof bits);
+  const __m128i two = _mm_cvtsi32_si128(bits);
+  return _mm256_cvtph_ps(_mm_shuffle_epi8(two, _mm_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3)));
+}
+
+// scale x zero point of groups i..i+7 (the constant offset when there are no zero points).
+inline __m256 scaled_zeros8(const Proj& p, int64_t i) {
+  const __m256 s = p.s16 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.s16 + i)))
+                         : _mm256_loadu_ps(p.s32 + i);
+  if (!p.z) return _mm256_mul_ps(s, _mm256_set1_ps(static_cast<float>(p.offset)));
+  const __m128i z = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.z + i));
+  return _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(z)));
+}
+
+// Rows r0 and r1 of an int8 projection dotted with kN (1 or 2) input vectors idx[n], into
+// o = {r0.x0, r1.x0, r0.x1, r1.x1}. Each block's int32 dot is scaled by the input block's
+// scale alone (one broadcast for both rows), the weight scale applied once per group. With
+// two inputs each weight block is loaded once for both; every input's sums run in the
+// one-input order, so a token's result does not depend on its neighbour.
 template <int kN>
-inline void int4_pairs(const uint8_t* w0, const uint8_t* w1, const int8_t* const* xq,
-                       const float* const* x4, int64_t lo, int64_t hi, __m256* part0,
-                       __m256* part1) {
+void dot_int8(const Proj& p, int64_t e, int64_t r0, int64_t r1, const Inputs& in,
+              const int64_t* idx, float* o) {
+  const int64_t nb = p.kp / kBlock;
+  const int64_t g0 = (e * p.rows + r0) * p.groups, g1 = (e * p.rows + r1) * p.groups;
+  const int8_t* w0 = reinterpret_cast<const int8_t*>(p.row(e, r0));
+  const int8_t* w1 = reinterpret_cast<const int8_t*>(p.row(e, r1));
+  __m256 acc0[kN], acc1[kN];
+  for (int n = 0; n < kN; ++n) acc0[n] = acc1[n] = _mm256_setzero_ps();
+  for (int64_t lo = 0, g = 0; lo < nb; lo += p.bpg, ++g) {
+    const int64_t hi = std::min(nb, lo + p.bpg);
+    __m256 part0[kN], part1[kN];
+    for (int n = 0; n < kN; ++n) part0[n] = part1[n] = _mm256_setzero_ps();
+    for (int64_t b = lo; b < hi; ++b) {
+      if ((b & 1) == 0) {  // once per 64 bytes of each row
+        prefetch(w0 + b * kBlock);
+        prefetch(w1 + b * kBlock);
+      }
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + b * kBlock));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1 + b * kBlock));
+      const __m256i u0 = _mm256_sign_epi8(v0, v0), u1 = _mm256_sign_epi8(v1, v1);
+      for (int n = 0; n < kN; ++n) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.q.data() + idx[n] * p.kp + b * kBlock));
+        const __m256 scale = _mm256_broadcast_ss(in.d.data() + idx[n] * nb + b);
+        part0[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(u0, _mm256_sign_epi8(x, v0))), scale, part0[n]);
+        part1[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(u1, _mm256_sign_epi8(x, v1))), scale, part1[n]);
+      }
+    }
+    const __m256 s0 = _mm256_set1_ps(scale_at(p, g0 + g)), s1 = _mm256_set1_ps(scale_at(p, g1 + g));
+    for (int n = 0; n < kN; ++n) {
+      acc0[n] = _mm256_fmadd_ps(part0[n], s0, acc0[n]);
+      acc1[n] = _mm256_fmadd_ps(part1[n], s1, acc1[n]);
+    }
+  }
+  for (int n = 0; n < kN; ++n) o[2 * n] = hsum(acc0[n]), o[2 * n + 1] = hsum(acc1[n]);
+}
+
+// The int4 blocks [b0, b1) of rows w0 and w1 (b0 even), two at a time where two are left:
+// one 32-byte load and three ops unpack two blocks of a row (one block alone takes five).
+// kOwn: blocks of 32 values with a weight scale each (GGUF Q4_0), applied per pair with the
+// input scales; otherwise the caller applies its group's one scale to part0/part1.
+// Measured on a Zen 3 at C2 T=1: int4 is bound by this arithmetic, not by the memory.
+template <int kN, bool kOwn>
+inline void int4_blocks(const Proj& p, const uint8_t* w0, const uint8_t* w1, int64_t g0,
+                        int64_t g1, const Inputs& in, const int64_t* idx, int64_t b0,
+                        int64_t b1, __m256* part0, __m256* part1) {
+  const int64_t nb = p.kp / kBlock;
   const __m256i m = _mm256_set1_epi8(0x0F);
-  for (int64_t b = lo; b < hi; b += 2) {
+  int64_t b = b0;
+  for (; b + 1 < b1; b += 2) {
     if ((b & 3) == 0) {  // 64 bytes of each row per two pairs
       prefetch(w0 + b * 16);
       prefetch(w1 + b * 16);
@@ -51,104 +117,77 @@ inline void int4_pairs(const uint8_t* w0, const uint8_t* w1, const int8_t* const
     const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1 + b * 16));
     const __m256i lo0 = _mm256_and_si256(v0, m), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m);
     const __m256i lo1 = _mm256_and_si256(v1, m), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m);
+    __m256 ws0, ws1;
+    if constexpr (kOwn) ws0 = scale_pair(p, g0 + b), ws1 = scale_pair(p, g1 + b);
     for (int n = 0; n < kN; ++n) {
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[n] + b * kBlock));
-      const __m256i x2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[n] + b * kBlock + 32));
-      const __m256 scale = _mm256_loadu_ps(x4[n] + b * 4);
-      part0[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_dot(lo0, hi0, x1, x2)), scale, part0[n]);
-      part1[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_dot(lo1, hi1, x1, x2)), scale, part1[n]);
+      const int8_t* x = in.q.data() + idx[n] * p.kp + b * kBlock;
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      const __m256i x2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+      const __m256 xs = _mm256_loadu_ps(in.d4.data() + (idx[n] * nb + b) * 4);
+      const __m256 sc0 = kOwn ? _mm256_mul_ps(xs, ws0) : xs, sc1 = kOwn ? _mm256_mul_ps(xs, ws1) : xs;
+      part0[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_dot(lo0, hi0, x1, x2)), sc0, part0[n]);
+      part1[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_dot(lo1, hi1, x1, x2)), sc1, part1[n]);
+    }
+  }
+  if (b < b1) {  // an odd last block of the row, as Inputs left it
+    const __m256i u0 = int4_block(w0 + b * 16), u1 = int4_block(w1 + b * 16);
+    const float ws0 = kOwn ? scale_at(p, g0 + b) : 1.f, ws1 = kOwn ? scale_at(p, g1 + b) : 1.f;
+    for (int n = 0; n < kN; ++n) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.q.data() + idx[n] * p.kp + b * kBlock));
+      const float xs = in.d[idx[n] * nb + b];
+      part0[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(u0, x)), _mm256_set1_ps(xs * ws0), part0[n]);
+      part1[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(u1, x)), _mm256_set1_ps(xs * ws1), part1[n]);
     }
   }
 }
 
-// Rows r0 and r1 of a quantized projection dotted with kN (1 or 2) input vectors idx[n],
-// into o = {r0.x0, r1.x0, r0.x1, r1.x1}. Per group of blocks sharing a weight scale, each
-// block's int32 dot is scaled by the input block's scale alone (one broadcast for both
-// rows); the weight scale and the int4 zero-point correction are applied once per group.
-// Measured on a Zen 3: the per-block scalar work (two scale loads and conversions, two
-// products and the correction per row) had made int4 slower than int8 at C2 T=1. With two
-// inputs each weight block is loaded and unpacked once for both; every input's sums run in
-// the one-input order, so a token's result does not depend on its neighbour.
-template <bool kFour, int kN>
-void dot_quant(const Proj& p, int64_t e, int64_t r0, int64_t r1, const Inputs& in,
-               const int64_t* idx, float* o) {
-  const int64_t nb = p.kp / kBlock, bw = kFour ? kBlock / 2 : kBlock;  // bytes per block
-  const int64_t lines = kFour ? 3 : 1;  // prefetch once per 64 bytes: every 4 or 2 blocks
+// Rows r0 and r1 of an int4 projection with kN inputs, as dot_int8. value = (u - zero) *
+// scale, so a row's dot is sum_g scale_g * (sum(u * x) - zero_g * sum_g(x)): the integer
+// dots as above, and the zero-point term once per row from the inputs' group sums (Inputs
+// gs), eight groups a vector. Measured on a Zen 3: the per-block and per-group scalar work
+// (scale conversions, the correction) had made int4 slower than int8 at C2 T=1.
+template <int kN>
+void dot_int4(const Proj& p, int64_t e, int64_t r0, int64_t r1, const Inputs& in,
+              const int64_t* idx, float* o) {
+  const int64_t nb = p.kp / kBlock;
   const int64_t g0 = (e * p.rows + r0) * p.groups, g1 = (e * p.rows + r1) * p.groups;
   const uint8_t* w0 = p.row(e, r0);
   const uint8_t* w1 = p.row(e, r1);
-  const int8_t* xq[kN];
-  const float* xd[kN];
-  const float* xs[kN];
-  const float* x4[kN];
   __m256 acc0[kN], acc1[kN];
-  float corr0[kN], corr1[kN];
-  for (int n = 0; n < kN; ++n) {
-    xq[n] = in.q.data() + idx[n] * p.kp;
-    xd[n] = in.d.data() + idx[n] * nb;
-    xs[n] = in.sd.data() + idx[n] * nb;
-    x4[n] = p.paired ? in.d4.data() + idx[n] * nb * 4 : nullptr;
-    acc0[n] = acc1[n] = _mm256_setzero_ps();
-    corr0[n] = corr1[n] = 0.f;
-  }
-  for (int64_t lo = 0, g = 0; lo < nb; lo += p.bpg, ++g) {
-    const int64_t hi = std::min(nb, lo + p.bpg);
-    __m256 part0[kN], part1[kN];
-    float xsum[kN];
-    for (int n = 0; n < kN; ++n) part0[n] = part1[n] = _mm256_setzero_ps(), xsum[n] = 0.f;
-    int64_t b = lo;
-    if (kFour && p.paired) {  // pairs of blocks; an odd last one goes through the loop below
-      b = lo + ((hi - lo) & ~int64_t{1});
-      int4_pairs<kN>(w0, w1, xq, x4, lo, b, part0, part1);
-      for (int n = 0; n < kN; ++n)
-        for (int64_t k = lo; k < b; ++k) xsum[n] += xs[n][k];
-    }
-    for (; b < hi; ++b) {
-      if ((b & lines) == 0) {
-        prefetch(w0 + b * bw);
-        prefetch(w1 + b * bw);
-      }
-      __m256i u0, u1, v0, v1;
-      if constexpr (kFour) {
-        u0 = int4_block(w0 + b * bw);
-        u1 = int4_block(w1 + b * bw);
-      } else {
-        v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + b * bw));
-        v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1 + b * bw));
-        u0 = _mm256_sign_epi8(v0, v0);
-        u1 = _mm256_sign_epi8(v1, v1);
-      }
+  for (int n = 0; n < kN; ++n) acc0[n] = acc1[n] = _mm256_setzero_ps();
+  if (p.bpg == 1) {
+    int4_blocks<kN, true>(p, w0, w1, g0, g1, in, idx, 0, nb, acc0, acc1);
+  } else {
+    for (int64_t lo = 0, g = 0; lo < nb; lo += p.bpg, ++g) {
+      __m256 part0[kN], part1[kN];
+      for (int n = 0; n < kN; ++n) part0[n] = part1[n] = _mm256_setzero_ps();
+      int4_blocks<kN, false>(p, w0, w1, g0, g1, in, idx, lo, std::min(nb, lo + p.bpg), part0, part1);
+      const __m256 s0 = _mm256_set1_ps(scale_at(p, g0 + g)), s1 = _mm256_set1_ps(scale_at(p, g1 + g));
       for (int n = 0; n < kN; ++n) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[n] + b * kBlock));
-        __m256i d0, d1;
-        if constexpr (kFour) {
-          d0 = block_dot(u0, x);
-          d1 = block_dot(u1, x);
-          xsum[n] += xs[n][b];
-        } else {
-          d0 = block_dot(u0, _mm256_sign_epi8(x, v0));
-          d1 = block_dot(u1, _mm256_sign_epi8(x, v1));
-        }
-        const __m256 scale = _mm256_broadcast_ss(xd[n] + b);
-        part0[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), scale, part0[n]);
-        part1[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), scale, part1[n]);
-      }
-    }
-    const float s0 = p.s16 ? _cvtsh_ss(p.s16[g0 + g]) : p.s32[g0 + g];
-    const float s1 = p.s16 ? _cvtsh_ss(p.s16[g1 + g]) : p.s32[g1 + g];
-    const __m256 sv0 = _mm256_set1_ps(s0), sv1 = _mm256_set1_ps(s1);
-    for (int n = 0; n < kN; ++n) {
-      acc0[n] = _mm256_fmadd_ps(part0[n], sv0, acc0[n]);
-      acc1[n] = _mm256_fmadd_ps(part1[n], sv1, acc1[n]);
-      if constexpr (kFour) {
-        corr0[n] += s0 * static_cast<float>(p.z ? p.z[g0 + g] : p.offset) * xsum[n];
-        corr1[n] += s1 * static_cast<float>(p.z ? p.z[g1 + g] : p.offset) * xsum[n];
+        acc0[n] = _mm256_fmadd_ps(part0[n], s0, acc0[n]);
+        acc1[n] = _mm256_fmadd_ps(part1[n], s1, acc1[n]);
       }
     }
   }
+  // The zero-point term: its vector part subtracted before the sums, the rest after.
+  const int64_t groups = (nb + p.bpg - 1) / p.bpg, vec = groups & ~int64_t{7};
+  for (int64_t g = 0; g < vec; g += 8) {
+    const __m256 z0 = scaled_zeros8(p, g0 + g), z1 = scaled_zeros8(p, g1 + g);
+    for (int n = 0; n < kN; ++n) {
+      const __m256 xs = _mm256_loadu_ps(in.gs.data() + idx[n] * in.groups + g);
+      acc0[n] = _mm256_fnmadd_ps(z0, xs, acc0[n]);
+      acc1[n] = _mm256_fnmadd_ps(z1, xs, acc1[n]);
+    }
+  }
   for (int n = 0; n < kN; ++n) {
-    o[2 * n] = hsum(acc0[n]) - corr0[n];
-    o[2 * n + 1] = hsum(acc1[n]) - corr1[n];
+    float c0 = 0.f, c1 = 0.f;
+    for (int64_t g = vec; g < groups; ++g) {
+      const float xs = in.gs[idx[n] * in.groups + g];
+      c0 += scale_at(p, g0 + g) * static_cast<float>(p.z ? p.z[g0 + g] : p.offset) * xs;
+      c1 += scale_at(p, g1 + g) * static_cast<float>(p.z ? p.z[g1 + g] : p.offset) * xs;
+    }
+    o[2 * n] = hsum(acc0[n]) - c0;
+    o[2 * n + 1] = hsum(acc1[n]) - c1;
   }
 }
 

@@ -96,11 +96,10 @@ class Experts {
     std::vector<int64_t> active;  // experts with at least one pair
     for (int64_t e = 0; e < experts_; ++e)
       if (start[e + 1] > start[e]) active.push_back(e);
-    const bool quant = fmt_ != kBf16;
     // 1. inputs: one per token, or one per pair when the router weight goes on the input.
     Inputs xin;
     const int64_t sources = on_input ? pairs : tokens;
-    xin.init(sources, w13_.kp, quant, w13_.paired);
+    xin.init(sources, w13_.kp, static_cast<Format>(fmt_), w13_.bpg);
     {
       at::Tensor xf = x.to(at::kFloat).contiguous();
       const float* xs = xf.const_data_ptr<float>();
@@ -153,7 +152,7 @@ class Experts {
     });
     // 3. the activated values in the dot product's layout.
     Inputs ain;
-    ain.init(pairs, ip, quant, w2_.paired);
+    ain.init(pairs, ip, static_cast<Format>(fmt_), w2_.bpg);
     for (int64_t p = 0; p < pairs; ++p) ain.set(p, act.data() + p * ip, inter_);
     // 4. w2 and the weighted combine, per block of output columns (each thread owns its own).
     const int64_t cols = (hidden_ + kCols - 1) / kCols;
@@ -236,8 +235,6 @@ class Experts {
     p.rows = rows;
     p.bpg = bpg;
     p.offset = offset;
-    // Pairs of blocks never straddle two weight scales: even groups, or one group a row.
-    p.paired = fmt_ == kInt4 && (bpg % 2 == 0 || bpg >= p.kp / kBlock);
     return p;
   }
 

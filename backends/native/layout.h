@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
@@ -49,28 +50,31 @@ struct Proj {
   const uint16_t* s16 = nullptr;
   const uint8_t* z = nullptr;
   int64_t rows = 0, kp = 0, row_bytes = 0, groups = 1, bpg = 1, offset = 0;
-  bool paired = false;  // int4 dotted two blocks at a time (dot_int4_pairs); inputs to match
   const uint8_t* row(int64_t e, int64_t r) const { return base + (e * rows + r) * row_bytes; }
 };
 
 // An input vector in the layout of the weights' dot product: fp32 interleaved (bf16), or
-// int8 blocks with their scales, and each block's scale times its sum of values (the int4
-// zero-point correction of a group is its weight scale x zero x the sum of these).
+// int8 blocks with their scales; for int4, the blocks in pairs as the pair dot reads them,
+// and per group of the weights (blocks_per_group blocks) the sum of its blocks' scale times
+// sum of values (the zero-point term of a group is its weight scale x zero x this sum).
 struct Inputs {
-  int64_t kp = 0, n = 0;
+  int64_t kp = 0, n = 0, bpg = 1, groups = 0;
   bool quantized = false, paired = false;
   std::vector<float> f;       // [n, kp]
   std::vector<int8_t> q;      // [n, kp]
   std::vector<float> d;       // [n, kp/32]
-  std::vector<float> sd;      // [n, kp/32]
-  std::vector<float> d4;      // paired: [n, kp/32, 4], each block's scale four times
-  void init(int64_t n_, int64_t kp_, bool quantized_, bool paired_ = false) {
-    n = n_, kp = kp_, quantized = quantized_, paired = quantized_ && paired_;
+  std::vector<float> d4;      // int4: [n, kp/32, 4], each block's scale four times
+  std::vector<float> gs;      // int4: [n, groups]
+  void init(int64_t n_, int64_t kp_, Format fmt, int64_t bpg_ = 1) {
+    n = n_, kp = kp_, quantized = fmt != kBf16, paired = fmt == kInt4, bpg = bpg_;
     if (quantized) {
       q.assign(n * kp, 0);
       d.assign(n * (kp / kBlock), 0.f);
-      sd.assign(n * (kp / kBlock), 0.f);
-      if (paired) d4.assign(n * (kp / kBlock) * 4, 0.f);
+      if (paired) {
+        groups = (kp / kBlock + bpg - 1) / bpg;
+        d4.assign(n * (kp / kBlock) * 4, 0.f);
+        gs.assign(n * groups, 0.f);
+      }
     } else {
       f.assign(n * kp, 0.f);
     }
@@ -99,8 +103,9 @@ struct Inputs {
         s += r;
       }
       d[i * nb + b] = scale;
-      sd[i * nb + b] = scale * static_cast<float>(s);
-      if (paired) std::fill_n(d4.data() + (i * nb + b) * 4, 4, scale);
+      if (!paired) continue;
+      gs[i * groups + b / bpg] += scale * static_cast<float>(s);
+      std::fill_n(d4.data() + (i * nb + b) * 4, 4, scale);
     }
     if (!paired) return;
     // Each pair of blocks (A, B) as the int4 pair dot reads it: A 0..15, B 0..15, A 16..31,
