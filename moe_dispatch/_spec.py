@@ -185,6 +185,13 @@ def _check_max_tokens(instance: Any, attribute: attrs.Attribute, value: Any) -> 
                          f"a mapping of weight formats ({', '.join(WEIGHT_FORMATS)}) to those")
 
 
+def _check_hosts(instance: Any, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+    bad = [v for v in value if not _NAME_RE.match(v)]
+    if bad:
+        raise ValueError(f"BackendSpec.avoid_hosts={list(value)}: host names match "
+                         f"{_NAME_RE.pattern} (e.g. 'vllm')")
+
+
 def _check_backend(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     missing = [m for m in _REQUIRED_METHODS if not callable(getattr(value, m, None))]
     if missing:
@@ -224,6 +231,11 @@ class BackendSpec:
     to such a limit (a format it does not name: no limit), for a kernel whose crossover
     depends on the format. Buckets above it go to the next backend without such a limit,
     under every policy; forced, the backend runs every call.
+
+    ``avoid_hosts``: the embedding hosts (by name: ``"vllm"``, the vLLM plugin) whose layers
+    leave this backend out of their routing by default, for what it does to the host
+    around it, which a layer's own timing cannot see (the host's documentation says how a
+    user lets it compete again). Forced, it still runs.
     """
 
     name: str = attrs.field(converter=_normalize, validator=_check_name)
@@ -240,6 +252,8 @@ class BackendSpec:
                                            validator=_check_weights, kw_only=True)
     max_tokens: int | None | tuple[tuple[str, int | None], ...] = attrs.field(
         default=None, converter=_max_tokens_converter, validator=_check_max_tokens, kw_only=True)
+    avoid_hosts: tuple[str, ...] = attrs.field(default=(), converter=_names_converter,
+                                               validator=_check_hosts, kw_only=True)
 
     def token_limit(self, weight_format: str = "float") -> int | None:
         """The largest bucket routed to this backend for weights of ``weight_format``."""

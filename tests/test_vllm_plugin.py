@@ -150,7 +150,7 @@ def test_summary_groups_the_token_buckets_by_backend() -> None:
 def test_a_served_layer_runs_through_moe_dispatch_and_keeps_vllms_parameters(
         caplog: pytest.LogCaptureFixture) -> None:
     cls = experts_class()
-    assert _seam.install(cls, [], {}, LOG)
+    assert _seam.install(cls, [], dict, LOG)
     layer = Layer(CONFIG)
     before = (layer.w13_weight, layer.w13_weight._version, layer.w13_weight.detach().clone())
     experts = cls(CONFIG)
@@ -169,7 +169,7 @@ def test_a_served_layer_runs_through_moe_dispatch_and_keeps_vllms_parameters(
 def test_one_log_line_per_distinct_shape(caplog: pytest.LogCaptureFixture) -> None:
     _seam._LOGGED.clear()
     cls = experts_class()
-    _seam.install(cls, [], {}, LOG)
+    _seam.install(cls, [], dict, LOG)
     with caplog.at_level(logging.INFO, logger=LOG.name):
         for seed in range(3):
             cls(CONFIG).process_weights_after_loading(Layer(CONFIG, seed=seed))
@@ -182,7 +182,7 @@ def test_one_log_line_per_distinct_shape(caplog: pytest.LogCaptureFixture) -> No
 def test_a_layer_not_served_stays_on_vllms_path(caplog: pytest.LogCaptureFixture) -> None:
     _seam._LOGGED.clear()
     cls = experts_class()
-    _seam.install(cls, [], {}, LOG)
+    _seam.install(cls, [], dict, LOG)
     layer = Layer(CONFIG, activation="relu2")
     experts = cls(CONFIG)
     with caplog.at_level(logging.INFO, logger=LOG.name):
@@ -198,7 +198,7 @@ def test_an_unknown_backend_name_leaves_the_layer_to_vllm(caplog: pytest.LogCapt
     _seam._LOGGED.clear()
     monkeypatch.setenv("MOE_DISPATCH_BACKEND", "no_such_backend")
     cls = experts_class()
-    _seam.install(cls, [], {}, LOG)
+    _seam.install(cls, [], dict, LOG)
     experts = cls(CONFIG)
     with caplog.at_level(logging.INFO, logger=LOG.name):
         experts.process_weights_after_loading(Layer(CONFIG))
@@ -209,7 +209,7 @@ def test_an_unknown_backend_name_leaves_the_layer_to_vllm(caplog: pytest.LogCapt
 def test_router_weight_on_the_input_combines_with_weight_one() -> None:
     config = md.MoEConfig(8, 1, 64, 32, dtype=torch.float32)
     cls = experts_class()
-    _seam.install(cls, [], {}, LOG)
+    _seam.install(cls, [], dict, LOG)
     layer = Layer(config)
     layer.apply_router_weight_on_input = True
     experts = cls(config)
@@ -224,7 +224,7 @@ def test_router_weight_on_the_input_combines_with_weight_one() -> None:
 def test_a_run_time_failure_hands_the_layer_to_vllms_path(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     cls = experts_class()
-    _seam.install(cls, [], {}, LOG)
+    _seam.install(cls, [], dict, LOG)
     layer = Layer(CONFIG)
     experts = cls(CONFIG)
     experts.process_weights_after_loading(layer)
@@ -248,7 +248,7 @@ def test_a_vllm_with_other_signatures_is_left_alone(caplog: pytest.LogCaptureFix
         def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids): ...
     before = (Other.apply, Other.process_weights_after_loading)
     with caplog.at_level(logging.WARNING, logger=LOG.name):
-        assert not _seam.install(Other, [], {}, LOG)
+        assert not _seam.install(Other, [], dict, LOG)
     assert (Other.apply, Other.process_weights_after_loading) == before
     assert "the plugin knows apply" in caplog.text
 
@@ -263,7 +263,7 @@ def test_quantized_experts_classes_log_that_they_stay_on_vllm(
 
         def process_weights_after_loading(self, layer: Any) -> None:
             self.ran = True
-    _seam.install(experts_class(), [CPUExpertsInt8], {}, LOG)
+    _seam.install(experts_class(), [CPUExpertsInt8], dict, LOG)
     experts = CPUExpertsInt8()
     with caplog.at_level(logging.INFO, logger=LOG.name):
         experts.process_weights_after_loading(Layer(CONFIG))
@@ -294,7 +294,9 @@ def test_the_plugins_layers_leave_out_the_default_backends_unless_told(
     import moe_dispatch.vllm_plugin as plugin
     monkeypatch.delenv(plugin.EXCLUDE_ENV, raising=False)
     monkeypatch.delenv("MOE_DISPATCH_BACKEND", raising=False)
-    assert plugin.layer_options()["exclude"] == ("zentorch",) == (plugin.DEFAULT_EXCLUDE,)
+    # by default: the backends whose spec avoids the host (zentorch declares it)
+    assert plugin.default_exclude() == ("zentorch",)
+    assert plugin.layer_options()["exclude"] == ("zentorch",)
     monkeypatch.setenv(plugin.EXCLUDE_ENV, " torch , onednn")
     assert plugin.layer_options()["exclude"] == ("torch", "onednn")
     monkeypatch.setenv(plugin.EXCLUDE_ENV, "")
@@ -313,3 +315,23 @@ def test_the_plugins_layers_leave_out_the_default_backends_unless_told(
     monkeypatch.delenv(plugin.EXCLUDE_ENV)
     layer = md.MoELayer(cfg, tuning_cache=False, **plugin.layer_options())
     assert "zentorch" in layer.load_weights(**random_weights(cfg)).prepare().resolution.excluded
+
+
+def test_the_default_exclusion_is_what_the_registered_backends_declare(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin names no backend: a vendor's spec that avoids the host is left out like the
+    built-in one, and none is when no registered backend declares it."""
+    import moe_dispatch.vllm_plugin as plugin
+    monkeypatch.delenv(plugin.EXCLUDE_ENV, raising=False)
+    monkeypatch.delenv("MOE_DISPATCH_BACKEND", raising=False)
+    loop = md.get_registry().snapshot().by_name("torch").spec.backend
+    with md.use_registry(md.Registry(load_entry_points=False)):
+        md.register(md.BackendSpec("plain", 10, loop))
+        assert plugin.default_exclude() == ()
+        assert "exclude" not in plugin.layer_options()
+        md.register(md.BackendSpec("vendor_x", 20, loop, avoid_hosts=["vllm", "other_host"]))
+        assert plugin.default_exclude() == ("vendor_x",)
+        assert plugin.layer_options()["exclude"] == ("vendor_x",)
+    for bad in (["vLLM engine"], [""]):
+        with pytest.raises(ValueError, match="avoid_hosts"):
+            md.BackendSpec("vendor_y", 1, loop, avoid_hosts=bad)

@@ -127,9 +127,12 @@ def moe_dispatch_backends() -> list[md.BackendSpec]:
     # validates_ids: the op raises "topk_id value 64 is outside [0, 8)" for any id out of
     # range, negative ones included (tests/test_bad_input.py::test_bad_ids_on_every_backend_
     # and_policy checks it through the layer), so the layer leaves the range check to it.
+    # avoid_hosts: routed inside vLLM's CPU worker it slowed the whole engine, the other
+    # kernels' calls included (C2-shaped fp32 on a Zen 3: decode 0.18-0.81x of vLLM's own
+    # path, prefill 0.73-0.94x; left out 1.10x and 1.05x; docs/vllm.md).
     return [md.BackendSpec(NAME, PRIORITY, ZentorchBackend(),
                            description="AMD zentorch fused MoE op (zentorch_fused_moe)",
                            version=version or _dist_version(), validates_ids=True,
                            ops={OP_NAME: EXPECTED_SCHEMA},
                            env_vars=_gate.ENV_VARS + (native.ENV, native.DIR_ENV),
-                           weights=("float", "int8", "int4"))]
+                           weights=("float", "int8", "int4"), avoid_hosts=("vllm",))]

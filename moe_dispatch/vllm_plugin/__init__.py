@@ -28,23 +28,29 @@ LOGGER_NAME = "vllm.moe_dispatch"  # under "vllm": vLLM's handlers and levels ap
 # the engine's worker processes inherit only what the environment says).
 LAYER_OPTIONS: dict[str, Any] = {}
 EXCLUDE_ENV = "MOE_DISPATCH_VLLM_EXCLUDE"
-# Backends the plugin's layers leave out unless EXCLUDE_ENV says otherwise (a comma list;
-# empty: none), because of what they do to the engine around them, which a layer's own
-# tuning cannot see: routed inside vLLM's CPU worker (one bound core), zentorch slowed the
-# whole engine, the other kernels' calls included (C2-shaped fp32 on a Zen 3: decode
-# 0.18-0.81x of vLLM's own path, prefill 0.73-0.94x; left out: 1.10x and 1.05x). The runs
-# are in docs/vllm.md. A forced backend (MOE_DISPATCH_BACKEND) is never left out.
-DEFAULT_EXCLUDE = "zentorch"
+# The host name backends give in BackendSpec.avoid_hosts to be left out of the plugin's
+# layers by default: for what they do to the engine around them, which a layer's own tuning
+# cannot see (routed inside vLLM's CPU worker, one backend slowed the whole engine, the other
+# kernels' calls included: docs/vllm.md). EXCLUDE_ENV (a comma list; empty: none) replaces
+# that default. A forced backend (MOE_DISPATCH_BACKEND) is never left out.
+HOST = "vllm"
+
+
+def default_exclude() -> tuple[str, ...]:
+    """The registered backends that declare they avoid this host, in priority order."""
+    from .._registry import get_registry
+    return tuple(r.name for r in get_registry().snapshot().records if HOST in r.spec.avoid_hosts)
 
 
 def layer_options() -> dict[str, Any]:
     """The MoELayer keyword arguments of the plugin's layers: LAYER_OPTIONS, plus the
-    backends left out (EXCLUDE_ENV, default DEFAULT_EXCLUDE) when none is forced."""
+    backends left out (EXCLUDE_ENV, by default :func:`default_exclude`) when none is forced."""
     options = dict(LAYER_OPTIONS)
     if options.get("backend") or os.environ.get("MOE_DISPATCH_BACKEND"):
         return options
-    names = tuple(n.strip() for n in os.environ.get(EXCLUDE_ENV, DEFAULT_EXCLUDE).split(",")
-                  if n.strip())
+    listed = os.environ.get(EXCLUDE_ENV)
+    names = (default_exclude() if listed is None
+             else tuple(n.strip() for n in listed.split(",") if n.strip()))
     if names:
         options["exclude"] = tuple(options.get("exclude", ())) + names
     return options
@@ -74,11 +80,11 @@ def register() -> None:
         from vllm.model_executor.layers.fused_moe.experts import cpu_moe
         from ._seam import QUANTIZED, install
         quantized = [getattr(cpu_moe, n) for n in QUANTIZED if hasattr(cpu_moe, n)]
-        install(cpu_moe.CPUUnquantizedExperts, quantized, layer_options(), logger)
+        install(cpu_moe.CPUUnquantizedExperts, quantized, layer_options, logger)
     except Exception as exc:  # a failing plugin never takes vLLM down
         logger.warning("moe-dispatch: plugin not installed (%s: %s); vLLM's MoE path runs",
                        type(exc).__name__, exc)
 
 
-__all__ = ["DEFAULT_EXCLUDE", "ENV", "EXCLUDE_ENV", "LAYER_OPTIONS", "LOGGER_NAME", "enabled", "layer_options",
-           "register"]
+__all__ = ["ENV", "EXCLUDE_ENV", "HOST", "LAYER_OPTIONS", "LOGGER_NAME", "default_exclude", "enabled",
+           "layer_options", "register"]

@@ -78,10 +78,12 @@ def _params(fn: Callable[..., Any]) -> tuple[str, ...]:
     return tuple(inspect.signature(fn).parameters)
 
 
-def install(experts_cls: type, quantized: list[type], options: dict[str, Any],
+def install(experts_cls: type, quantized: list[type], options: Callable[[], dict[str, Any]],
             logger: logging.Logger) -> bool:
     """Wrap ``experts_cls`` (vLLM's CPUUnquantizedExperts) in place; False, with a warning,
-    when its methods are not the ones this seam was written against."""
+    when its methods are not the ones this seam was written against. ``options()`` gives
+    the MoELayer keyword arguments as each layer is built (not at install: the
+    backends' registry is loaded only in a process that builds layers)."""
     if getattr(experts_cls, "_moe_dispatch_installed", False):
         return True
     got_apply = _params(experts_cls.apply)
@@ -95,7 +97,7 @@ def install(experts_cls: type, quantized: list[type], options: dict[str, Any],
     original_apply = experts_cls.apply
 
     def process_weights_after_loading(self: Any, layer: Any) -> None:
-        md = serve(layer, options, logger)
+        md = serve(layer, options(), logger)
         if md is None:
             return original_pwal(self, layer)
         # vLLM's parameters stay as loaded: no prepack, nothing replaced.
