@@ -282,7 +282,10 @@ def test_priority_routes_large_token_counts_past_the_kernel(build):
     cfg = _cfg()
     w = random_weights(cfg)
     for policy in ("priority", "auto"):
-        layer = md.MoELayer(cfg, policy=policy, tuning_cache=False).load_weights(**w).prepare()
+        # zentorch (priority 400) takes bf16 where AVX512-BF16 is: left out so that this
+        # runs on every machine with the kernel.
+        layer = md.MoELayer(cfg, policy=policy, tuning_cache=False, exclude=["zentorch"])
+        layer.load_weights(**w).prepare()
         if layer.backend != "native":
             pytest.skip(f"the resolver chose {layer.backend} here")
         assert layer.plan.route_for(1).name == "native" or policy == "auto"
@@ -295,11 +298,12 @@ def test_quantized_weights_have_no_token_limit(build):
     was faster beyond decode), and "auto" times it at every bucket."""
     cfg = _cfg(md.QuantScheme("int8"))
     _, ref_w, qe = _layer(cfg)
-    priority = md.MoELayer(cfg, policy="priority", tuning_cache=False).load_weights(qe).prepare()
+    priority = md.MoELayer(cfg, policy="priority", tuning_cache=False, exclude=["zentorch"])
+    priority.load_weights(qe).prepare()
     if priority.backend != "native":
         pytest.skip(f"the resolver chose {priority.backend} here")
     assert priority.plan.table is None  # one route for every T: no limit to route around
     _check(priority, cfg, ref_w, MAX_TOKENS + 17)
-    auto = md.MoELayer(cfg, policy="auto", tuning_cache=False, tune_max_tokens=64)
+    auto = md.MoELayer(cfg, policy="auto", tuning_cache=False, tune_max_tokens=64, exclude=["zentorch"])
     auto.load_weights(qe).prepare()
     assert "native" in auto.plan.tuned[64]["ms"]  # timed at the largest bucket

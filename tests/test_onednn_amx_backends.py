@@ -120,7 +120,10 @@ def test_amx_grouped_parity_with_injected_capabilities(config, data, seed):
 def test_amx_grouped_through_the_layer_with_injected_capabilities():
     cfg = md.MoEConfig(16, 4, 64, 32, has_bias=True, activation="swigluoai")
     w = random_weights(cfg)
-    layer = md.MoELayer(cfg, capabilities=SPR, exclude=["vllm"]).load_weights(**w).prepare()
+    # The backends above amx_grouped's priority that accept bf16 on the simulated SPR and run
+    # on this CPU for real (vllm's kernels, the native kernel's avx512 build on a Zen 4) are
+    # left out: this test is about amx_grouped's layer, not their gates.
+    layer = md.MoELayer(cfg, capabilities=SPR, exclude=["vllm", "native"]).load_weights(**w).prepare()
     assert layer.backend == "amx_grouped"
     x, tw, ids = random_routing(cfg, 33)
     assert rel_error(layer(x, tw, ids), reference(cfg, w, x, tw, ids)) <= TOLERANCE[torch.bfloat16]
