@@ -273,7 +273,13 @@ def test_both_builds_agree_where_both_run():
                 layer, _, _ = _layer(cfg)
                 x, tw, ids = random_routing(cfg, 4)
                 outs.append(layer(x, tw, ids).float())
-        assert rel_error(outs[0], outs[1].double()) <= 1e-3, scheme  # bf16-rounded outputs
+        # Quantized: the same integer dots, bf16-rounded outputs. bf16 weights: the avx512
+        # build's vdpbf16ps takes the activated intermediate rounded to bf16 (as every bf16
+        # kernel does), the avx2 build keeps it in fp32: each is held to the float64 reference
+        # elsewhere; here they differ by that rounding (measured 2.4e-3), not by a layout slip
+        # (which is off by O(1)).
+        bound = 5e-3 if scheme is None else 1e-3
+        assert rel_error(outs[0], outs[1].double()) <= bound, scheme
 
 
 def test_priority_routes_large_token_counts_past_the_kernel(build):

@@ -17,7 +17,7 @@
     defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 #define MD_AVX512 1
 constexpr const char* kIsa = "avx512";
-constexpr int64_t kLanes = 32;  // bf16 values per 512-bit load: the input interleave width
+constexpr int64_t kLanes = 32;  // bf16 values per 512-bit load
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define MD_AVX512 0
 constexpr const char* kIsa = "avx2";
@@ -53,14 +53,23 @@ struct Proj {
   const uint8_t* row(int64_t e, int64_t r) const { return base + (e * rows + r) * row_bytes; }
 };
 
-// An input vector in the layout of the weights' dot product: fp32 interleaved (bf16), or
+// A bf16-weight input element: with AVX512-BF16, bf16 bits in their natural order (vdpbf16ps
+// multiplies bf16 pairs into fp32 sums); on AVX2, fp32, interleaved per kLanes values (evens,
+// then odds) so that a weight vector widened by a shift and a mask meets its inputs.
+#if MD_AVX512
+using BfInput = uint16_t;
+#else
+using BfInput = float;
+#endif
+
+// An input vector in the layout of the weights' dot product: BfInput (bf16 weights), or
 // int8 blocks with their scales; for int4, the blocks in pairs as the pair dot reads them,
 // and per group of the weights (blocks_per_group blocks) the sum of its blocks' scale times
 // sum of values (the zero-point term of a group is its weight scale x zero x this sum).
 struct Inputs {
   int64_t kp = 0, n = 0, bpg = 1, groups = 0;
   bool quantized = false, paired = false;
-  std::vector<float> f;       // [n, kp]
+  std::vector<BfInput> f;     // [n, kp]
   std::vector<int8_t> q;      // [n, kp]
   std::vector<float> d;       // [n, kp/32]
   std::vector<float> d4;      // int4: [n, kp/32, 4], each block's scale four times
@@ -76,17 +85,23 @@ struct Inputs {
         gs.assign(n * groups, 0.f);
       }
     } else {
-      f.assign(n * kp, 0.f);
+      f.assign(n * kp, BfInput{0});
     }
   }
   // Fill vector i from len fp32 values (the rest of kp stays zero).
   void set(int64_t i, const float* v, int64_t len) {
     if (!quantized) {
-      float* out = f.data() + i * kp;
+      BfInput* out = f.data() + i * kp;
+#if MD_AVX512
+      // Rounded to nearest even: exact for bf16 activations; the activated intermediate of
+      // step 3 is rounded as every bf16 kernel rounds it.
+      for (int64_t k = 0; k < len; ++k) out[k] = c10::BFloat16(v[k]).x;
+#else
       for (int64_t k = 0; k < len; ++k) {  // within each kLanes block: evens, then odds
         const int64_t base = k - k % kLanes, j = k % kLanes;
         out[base + (j % 2) * (kLanes / 2) + j / 2] = v[k];
       }
+#endif
       return;
     }
     const int64_t nb = kp / kBlock;
