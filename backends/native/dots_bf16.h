@@ -11,50 +11,84 @@ namespace moe_dispatch_native {
 // AVX512-BF16: vdpbf16ps multiplies 32 bf16 weights by 32 bf16 inputs and adds the pairs into
 // 16 fp32 lanes, one instruction per input where widening and two FMAs took four (the bf16
 // products are exact in fp32). The weights need no widening, so an expert's rows reused from
-// L1 by its 2-16 routed tokens cost one instruction per 32 weights and token.
+// L1 by its 2-16 routed tokens cost one instruction per 32 weights and token (two where the
+// input carries a remainder: Inputs::lo).
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+inline __m512bh load_bh(const uint16_t* p) { return as_bh(_mm512_loadu_si512(p)); }
 
-// Rows w0 and w1 dotted with one input (bf16), into o[0], o[1].
-void dot2_bf16(const uint16_t* w0, const uint16_t* w1, const BfInput* x, int64_t kp, float* o) {
+template <bool kLo>
+void dot2_bf16_body(const uint16_t* w0, const uint16_t* w1, const BfInput* x, const BfInput* xlo,
+                    int64_t kp, float* o) {
   __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
   for (int64_t k = 0; k < kp; k += 32) {
     prefetch(w0 + k);
     prefetch(w1 + k);
-    const __m512bh xv = as_bh(_mm512_loadu_si512(x + k));
-    a = _mm512_dpbf16_ps(a, as_bh(_mm512_loadu_si512(w0 + k)), xv);
-    b = _mm512_dpbf16_ps(b, as_bh(_mm512_loadu_si512(w1 + k)), xv);
+    const __m512bh v0 = load_bh(w0 + k), v1 = load_bh(w1 + k), xv = load_bh(x + k);
+    a = _mm512_dpbf16_ps(a, v0, xv);
+    b = _mm512_dpbf16_ps(b, v1, xv);
+    if constexpr (kLo) {
+      const __m512bh xr = load_bh(xlo + k);
+      a = _mm512_dpbf16_ps(a, v0, xr);
+      b = _mm512_dpbf16_ps(b, v1, xr);
+    }
   }
   o[0] = _mm512_reduce_add_ps(a);
   o[1] = _mm512_reduce_add_ps(b);
 }
 
-// Rows w0 and w1 dotted with two inputs x0 and x1, into o = {w0.x0, w1.x0, w0.x1, w1.x1}:
-// each weight vector is loaded once for both inputs. Every sum runs in dot2_bf16's exact
-// order, so a token's result does not depend on its neighbour.
-void dot2x2_bf16(const uint16_t* w0, const uint16_t* w1, const BfInput* x0, const BfInput* x1,
-                 int64_t kp, float* o) {
+// Rows w0 and w1 dotted with one input x (bf16; xlo its remainder, or null), into o[0], o[1].
+void dot2_bf16(const uint16_t* w0, const uint16_t* w1, const BfInput* x, const BfInput* xlo,
+               int64_t kp, float* o) {
+  if (xlo) dot2_bf16_body<true>(w0, w1, x, xlo, kp, o);
+  else dot2_bf16_body<false>(w0, w1, x, xlo, kp, o);
+}
+
+template <bool kLo>
+void dot2x2_bf16_body(const uint16_t* w0, const uint16_t* w1, const BfInput* x0, const BfInput* x1,
+                      const BfInput* x0lo, const BfInput* x1lo, int64_t kp, float* o) {
   __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps(), c = _mm512_setzero_ps(), d = _mm512_setzero_ps();
   for (int64_t k = 0; k < kp; k += 32) {
     prefetch(w0 + k);
     prefetch(w1 + k);
-    const __m512bh v0 = as_bh(_mm512_loadu_si512(w0 + k)), v1 = as_bh(_mm512_loadu_si512(w1 + k));
-    const __m512bh xv = as_bh(_mm512_loadu_si512(x0 + k)), yv = as_bh(_mm512_loadu_si512(x1 + k));
+    const __m512bh v0 = load_bh(w0 + k), v1 = load_bh(w1 + k);
+    const __m512bh xv = load_bh(x0 + k), yv = load_bh(x1 + k);
     a = _mm512_dpbf16_ps(a, v0, xv);
     b = _mm512_dpbf16_ps(b, v1, xv);
+    if constexpr (kLo) {
+      const __m512bh xr = load_bh(x0lo + k);
+      a = _mm512_dpbf16_ps(a, v0, xr);
+      b = _mm512_dpbf16_ps(b, v1, xr);
+    }
     c = _mm512_dpbf16_ps(c, v0, yv);
     d = _mm512_dpbf16_ps(d, v1, yv);
+    if constexpr (kLo) {
+      const __m512bh yr = load_bh(x1lo + k);
+      c = _mm512_dpbf16_ps(c, v0, yr);
+      d = _mm512_dpbf16_ps(d, v1, yr);
+    }
   }
   o[0] = _mm512_reduce_add_ps(a);
   o[1] = _mm512_reduce_add_ps(b);
   o[2] = _mm512_reduce_add_ps(c);
   o[3] = _mm512_reduce_add_ps(d);
 }
+
+// Rows w0 and w1 dotted with two inputs x0 and x1 (remainders x0lo, x1lo, or null), into
+// o = {w0.x0, w1.x0, w0.x1, w1.x1}: each weight vector is loaded once for both inputs. Every
+// sum runs in dot2_bf16's exact order, so a token's result does not depend on its neighbour.
+void dot2x2_bf16(const uint16_t* w0, const uint16_t* w1, const BfInput* x0, const BfInput* x1,
+                 const BfInput* x0lo, const BfInput* x1lo, int64_t kp, float* o) {
+  if (x0lo) dot2x2_bf16_body<true>(w0, w1, x0, x1, x0lo, x1lo, kp, o);
+  else dot2x2_bf16_body<false>(w0, w1, x0, x1, x0lo, x1lo, kp, o);
+}
 #else
 // AVX2: each 32-bit lane of a weight vector holds two bf16 values; a shift left by 16 widens
-// the even one to fp32, a mask the odd one, each met by its inputs (interleaved fp32).
+// the even one to fp32, a mask the odd one, each met by its inputs (interleaved fp32, so
+// there is no remainder: the unnamed pointers are always null).
 
 // Rows w0 and w1 dotted with one input, into o[0], o[1].
-void dot2_bf16(const uint16_t* w0, const uint16_t* w1, const BfInput* x, int64_t kp, float* o) {
+void dot2_bf16(const uint16_t* w0, const uint16_t* w1, const BfInput* x, const BfInput*,
+               int64_t kp, float* o) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
   const __m256i mask = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
@@ -80,7 +114,7 @@ void dot2_bf16(const uint16_t* w0, const uint16_t* w1, const BfInput* x, int64_t
 // FMAs, not a second widening and load). Every sum runs in dot2_bf16's exact order, so a
 // token's result does not depend on its neighbour.
 void dot2x2_bf16(const uint16_t* w0, const uint16_t* w1, const BfInput* x0, const BfInput* x1,
-                 int64_t kp, float* o) {
+                 const BfInput*, const BfInput*, int64_t kp, float* o) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
   __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(), d0 = _mm256_setzero_ps(), d1 = _mm256_setzero_ps();
   const __m256i mask = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));

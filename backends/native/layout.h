@@ -70,6 +70,13 @@ struct Inputs {
   int64_t kp = 0, n = 0, bpg = 1, groups = 0;
   bool quantized = false, paired = false;
   std::vector<BfInput> f;     // [n, kp]
+  // AVX512-BF16: each value's remainder v - bf16(v) in bf16, [n, kp], where any value is not
+  // exactly a bf16 (the activated intermediate; an input scaled by its router weight): dotted
+  // too, it keeps those inputs at fp32's precision (about 2^-17), as the fused kernels keep
+  // their intermediate. Rounding it to bf16 alone moved a random Mixtral's first-step
+  // logprobs by 0.9 inside vLLM's engine (two layers amplify it); bf16 x needs no remainder.
+  std::vector<BfInput> lo;
+  bool split = false;
   std::vector<int8_t> q;      // [n, kp]
   std::vector<float> d;       // [n, kp/32]
   std::vector<float> d4;      // int4: [n, kp/32, 4], each block's scale four times
@@ -86,6 +93,8 @@ struct Inputs {
       }
     } else {
       f.assign(n * kp, BfInput{0});
+      split = false;
+      if (MD_AVX512) lo.assign(n * kp, BfInput{0});
     }
   }
   // Fill vector i from len fp32 values (the rest of kp stays zero).
@@ -93,9 +102,14 @@ struct Inputs {
     if (!quantized) {
       BfInput* out = f.data() + i * kp;
 #if MD_AVX512
-      // Rounded to nearest even: exact for bf16 activations; the activated intermediate of
-      // step 3 is rounded as every bf16 kernel rounds it.
-      for (int64_t k = 0; k < len; ++k) out[k] = c10::BFloat16(v[k]).x;
+      BfInput* rest = lo.data() + i * kp;
+      for (int64_t k = 0; k < len; ++k) {  // v = hi + lo, each rounded to nearest even
+        const c10::BFloat16 hi(v[k]);
+        const float r = v[k] - static_cast<float>(hi);
+        out[k] = hi.x;
+        rest[k] = c10::BFloat16(r).x;
+        split = split || r != 0.f;
+      }
 #else
       for (int64_t k = 0; k < len; ++k) {  // within each kLanes block: evens, then odds
         const int64_t base = k - k % kLanes, j = k % kLanes;
