@@ -16,70 +16,49 @@ namespace moe_dispatch_native {
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 inline __m512bh load_bh(const uint16_t* p) { return as_bh(_mm512_loadu_si512(p)); }
 
-template <bool kLo>
-void dot2_bf16_body(const uint16_t* w0, const uint16_t* w1, const BfInput* x, const BfInput* xlo,
-                    int64_t kp, float* o) {
-  __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+// Rows w0 and w1 dotted with kN inputs x[n] (remainders xlo[n] when kLo), into
+// o = {w0.x0, w1.x0, w0.x1, w1.x1}: each weight vector is loaded once for every input, and
+// every input's sums run in the one-input order, so a token's result does not depend on
+// its neighbour.
+template <int kN, bool kLo>
+void dots_bf16(const uint16_t* w0, const uint16_t* w1, const BfInput* const* x,
+               const BfInput* const* xlo, int64_t kp, float* o) {
+  __m512 acc0[kN], acc1[kN];
+  for (int n = 0; n < kN; ++n) acc0[n] = acc1[n] = _mm512_setzero_ps();
   for (int64_t k = 0; k < kp; k += 32) {
     prefetch(w0 + k);
     prefetch(w1 + k);
-    const __m512bh v0 = load_bh(w0 + k), v1 = load_bh(w1 + k), xv = load_bh(x + k);
-    a = _mm512_dpbf16_ps(a, v0, xv);
-    b = _mm512_dpbf16_ps(b, v1, xv);
-    if constexpr (kLo) {
-      const __m512bh xr = load_bh(xlo + k);
-      a = _mm512_dpbf16_ps(a, v0, xr);
-      b = _mm512_dpbf16_ps(b, v1, xr);
+    const __m512bh v0 = load_bh(w0 + k), v1 = load_bh(w1 + k);
+    for (int n = 0; n < kN; ++n) {
+      const __m512bh xv = load_bh(x[n] + k);
+      acc0[n] = _mm512_dpbf16_ps(acc0[n], v0, xv);
+      acc1[n] = _mm512_dpbf16_ps(acc1[n], v1, xv);
+      if constexpr (kLo) {
+        const __m512bh xr = load_bh(xlo[n] + k);
+        acc0[n] = _mm512_dpbf16_ps(acc0[n], v0, xr);
+        acc1[n] = _mm512_dpbf16_ps(acc1[n], v1, xr);
+      }
     }
   }
-  o[0] = _mm512_reduce_add_ps(a);
-  o[1] = _mm512_reduce_add_ps(b);
+  for (int n = 0; n < kN; ++n)
+    o[2 * n] = _mm512_reduce_add_ps(acc0[n]), o[2 * n + 1] = _mm512_reduce_add_ps(acc1[n]);
 }
 
 // Rows w0 and w1 dotted with one input x (bf16; xlo its remainder, or null), into o[0], o[1].
 void dot2_bf16(const uint16_t* w0, const uint16_t* w1, const BfInput* x, const BfInput* xlo,
                int64_t kp, float* o) {
-  if (xlo) dot2_bf16_body<true>(w0, w1, x, xlo, kp, o);
-  else dot2_bf16_body<false>(w0, w1, x, xlo, kp, o);
-}
-
-template <bool kLo>
-void dot2x2_bf16_body(const uint16_t* w0, const uint16_t* w1, const BfInput* x0, const BfInput* x1,
-                      const BfInput* x0lo, const BfInput* x1lo, int64_t kp, float* o) {
-  __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps(), c = _mm512_setzero_ps(), d = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kp; k += 32) {
-    prefetch(w0 + k);
-    prefetch(w1 + k);
-    const __m512bh v0 = load_bh(w0 + k), v1 = load_bh(w1 + k);
-    const __m512bh xv = load_bh(x0 + k), yv = load_bh(x1 + k);
-    a = _mm512_dpbf16_ps(a, v0, xv);
-    b = _mm512_dpbf16_ps(b, v1, xv);
-    if constexpr (kLo) {
-      const __m512bh xr = load_bh(x0lo + k);
-      a = _mm512_dpbf16_ps(a, v0, xr);
-      b = _mm512_dpbf16_ps(b, v1, xr);
-    }
-    c = _mm512_dpbf16_ps(c, v0, yv);
-    d = _mm512_dpbf16_ps(d, v1, yv);
-    if constexpr (kLo) {
-      const __m512bh yr = load_bh(x1lo + k);
-      c = _mm512_dpbf16_ps(c, v0, yr);
-      d = _mm512_dpbf16_ps(d, v1, yr);
-    }
-  }
-  o[0] = _mm512_reduce_add_ps(a);
-  o[1] = _mm512_reduce_add_ps(b);
-  o[2] = _mm512_reduce_add_ps(c);
-  o[3] = _mm512_reduce_add_ps(d);
+  if (xlo) dots_bf16<1, true>(w0, w1, &x, &xlo, kp, o);
+  else dots_bf16<1, false>(w0, w1, &x, &xlo, kp, o);
 }
 
 // Rows w0 and w1 dotted with two inputs x0 and x1 (remainders x0lo, x1lo, or null), into
-// o = {w0.x0, w1.x0, w0.x1, w1.x1}: each weight vector is loaded once for both inputs. Every
-// sum runs in dot2_bf16's exact order, so a token's result does not depend on its neighbour.
+// o = {w0.x0, w1.x0, w0.x1, w1.x1}.
 void dot2x2_bf16(const uint16_t* w0, const uint16_t* w1, const BfInput* x0, const BfInput* x1,
                  const BfInput* x0lo, const BfInput* x1lo, int64_t kp, float* o) {
-  if (x0lo) dot2x2_bf16_body<true>(w0, w1, x0, x1, x0lo, x1lo, kp, o);
-  else dot2x2_bf16_body<false>(w0, w1, x0, x1, x0lo, x1lo, kp, o);
+  const BfInput* x[2] = {x0, x1};
+  const BfInput* xlo[2] = {x0lo, x1lo};
+  if (x0lo) dots_bf16<2, true>(w0, w1, x, xlo, kp, o);
+  else dots_bf16<2, false>(w0, w1, x, xlo, kp, o);
 }
 #else
 // AVX2: each 32-bit lane of a weight vector holds two bf16 values; a shift left by 16 widens
