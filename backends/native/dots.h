@@ -14,7 +14,7 @@ inline void row_dot2(int64_t fmt, const Proj& p, int64_t e, int64_t r0, int64_t 
   if (fmt == kBf16)
     dot2_bf16(reinterpret_cast<const uint16_t*>(p.row(e, r0)),
               reinterpret_cast<const uint16_t*>(p.row(e, r1)), in.f.data() + i * p.kp,
-              in.split ? in.lo.data() + i * p.kp : nullptr, p.kp, o);
+              in.rest(i), p.kp, o);
   else if (fmt == kInt4)
     dot_int4<1>(p, e, r0, r1, in, &i, o);
   else
@@ -28,8 +28,8 @@ inline void row_dot2x2(int64_t fmt, const Proj& p, int64_t e, int64_t r0, int64_
   if (fmt == kBf16) {
     dot2x2_bf16(reinterpret_cast<const uint16_t*>(p.row(e, r0)),
                 reinterpret_cast<const uint16_t*>(p.row(e, r1)), in.f.data() + i0 * p.kp,
-                in.f.data() + i1 * p.kp, in.split ? in.lo.data() + i0 * p.kp : nullptr,
-                in.split ? in.lo.data() + i1 * p.kp : nullptr, p.kp, o);
+                in.f.data() + i1 * p.kp, in.rest(i0),
+                in.rest(i1), p.kp, o);
     return;
   }
   const int64_t idx[2] = {i0, i1};

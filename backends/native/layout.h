@@ -70,13 +70,13 @@ struct Inputs {
   int64_t kp = 0, n = 0, bpg = 1, groups = 0;
   bool quantized = false, paired = false;
   std::vector<BfInput> f;     // [n, kp]
-  // AVX512-BF16: each value's remainder v - bf16(v) in bf16, [n, kp], where any value is not
-  // exactly a bf16 (the activated intermediate; an input scaled by its router weight): dotted
-  // too, it keeps those inputs at fp32's precision (about 2^-17), as the fused kernels keep
-  // their intermediate. Rounding it to bf16 alone moved a random Mixtral's first-step
-  // logprobs by 0.9 inside vLLM's engine (two layers amplify it); bf16 x needs no remainder.
+  // AVX512-BF16: each value's remainder v - bf16(v) in bf16, [n, kp], allocated at the first
+  // value that is not exactly a bf16 (the activated intermediate; an input scaled by its
+  // router weight), else empty: dotted too, it keeps those inputs at fp32's precision (about
+  // 2^-17), as the fused kernels keep their intermediate. Rounding it to bf16 alone moved a
+  // random Mixtral's first-step logprobs by 0.9 inside vLLM's engine (two layers amplify it);
+  // bf16 x needs no remainder and gets none.
   std::vector<BfInput> lo;
-  bool split = false;
   std::vector<int8_t> q;      // [n, kp]
   std::vector<float> d;       // [n, kp/32]
   std::vector<float> d4;      // int4: [n, kp/32, 4], each block's scale four times
@@ -93,22 +93,23 @@ struct Inputs {
       }
     } else {
       f.assign(n * kp, BfInput{0});
-      split = false;
-      if (MD_AVX512) lo.assign(n * kp, BfInput{0});
+      lo.clear();
     }
   }
+  // Vector i's remainder (null where there is none: AVX2, or every value a bf16).
+  const BfInput* rest(int64_t i) const { return lo.empty() ? nullptr : lo.data() + i * kp; }
   // Fill vector i from len fp32 values (the rest of kp stays zero).
   void set(int64_t i, const float* v, int64_t len) {
     if (!quantized) {
       BfInput* out = f.data() + i * kp;
 #if MD_AVX512
-      BfInput* rest = lo.data() + i * kp;
       for (int64_t k = 0; k < len; ++k) {  // v = hi + lo, each rounded to nearest even
         const c10::BFloat16 hi(v[k]);
         const float r = v[k] - static_cast<float>(hi);
         out[k] = hi.x;
-        rest[k] = c10::BFloat16(r).x;
-        split = split || r != 0.f;
+        if (r == 0.f) continue;  // a zero remainder is the vector's zero fill
+        if (lo.empty()) lo.assign(n * kp, BfInput{0});
+        lo[i * kp + k] = c10::BFloat16(r).x;
       }
 #else
       for (int64_t k = 0; k < len; ++k) {  // within each kLanes block: evens, then odds
