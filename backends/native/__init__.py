@@ -122,6 +122,7 @@ def moe_dispatch_backends() -> list[md.BackendSpec]:
                            description="moe-dispatch's fused MoE decode kernel (bf16, int8, int4)",
                            version=_version(), validates_ids=True,
                            weights=("float", "int8", "int4"),
+                           weight_copies={"float": 1.0, "int8": 1.05, "int4": 1.1},
                            max_tokens={"float": MAX_TOKENS, "int8": None, "int4": None},
                            env_vars=(kernel.SWITCH, kernel.ISA_ENV, kernel.DIR_ENV))]
 

@@ -6,6 +6,7 @@
 
 #include "dots_bf16.h"
 #include "dots_quant.h"
+#include "tiles_quant.h"
 
 namespace moe_dispatch_native {
 
@@ -37,6 +38,22 @@ inline void row_dot2x2(int64_t fmt, const Proj& p, int64_t e, int64_t r0, int64_
     dot_int4<2>(p, e, r0, r1, in, idx, o);
   else
     dot_int8<2>(p, e, r0, r1, in, idx, o);
+}
+
+// Rows r0 and r1 dotted with the n (1..kTile) inputs idx[], o as row_dot2x2 writes it:
+// through the tiles (tiles_quant.h) when the call has wide inputs, else two at a time (each
+// input's sums in the same order either way, so a token's result never depends on its
+// neighbours).
+inline void rows_dots(int64_t fmt, const Proj& p, int64_t e, int64_t r0, int64_t r1,
+                      const Inputs& in, const WideInputs& wide, const int64_t* idx, int64_t n,
+                      float* o) {
+#if MD_AVX512
+  if (wide.n > 0) return tile_rows(fmt, p, e, r0, r1, wide, idx, n, o);
+#endif
+  for (int64_t q = 0; q < n; q += 2) {
+    if (q + 1 < n) row_dot2x2(fmt, p, e, r0, r1, in, idx[q], idx[q + 1], o + 2 * q);
+    else row_dot2(fmt, p, e, r0, r1, in, idx[q], o + 2 * q);
+  }
 }
 
 constexpr float kSwigluAlpha = 1.702f, kSwigluLimit = 7.f;

@@ -33,6 +33,8 @@ enum Act : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2, kSwigluOai = 3 };
 constexpr int64_t kBlock = 32;  // values per quantization block
 constexpr int64_t kUnits = 16;  // intermediate units per work item of step 2
 constexpr int64_t kCols = 16;   // output columns per work item of step 4
+constexpr int64_t kTile = 6;    // inputs per call of rows_dots (dots.h)
+constexpr int64_t kGroup = 128; // values per input scale of the wide inputs (tiles_quant.h)
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -50,6 +52,10 @@ struct Proj {
   const uint16_t* s16 = nullptr;
   const uint8_t* z = nullptr;
   int64_t rows = 0, kp = 0, row_bytes = 0, groups = 1, bpg = 1, offset = 0;
+  // The tiles of tiles_quant.h (avx512, int8 / int4): values per scaled int32 sum (0: the
+  // tiles do not apply) and each unit's sum of weights, [E, rows, units].
+  int64_t unit = 0;
+  std::vector<int16_t> wsum;
   const uint8_t* row(int64_t e, int64_t r) const { return base + (e * rows + r) * row_bytes; }
 };
 
@@ -148,6 +154,40 @@ struct Inputs {
         tmp[32 + j] = blk[16 + j], tmp[48 + j] = blk[kBlock + 16 + j];
       }
       std::copy(tmp, tmp + 2 * kBlock, blk);
+    }
+  }
+};
+
+// The 64 values of a step as the int4 unpack of tiles_quant.h yields them: bytes 0-31 of two
+// blocks (A, B) give A 0..15, B 0..15 (low nibbles), then A 16..31, B 16..31 (high ones).
+inline int64_t int4_slot(int64_t j) { return j < 16 || j >= 48 ? j : (j < 32 ? j + 16 : j - 16); }
+
+// Inputs of the tiles (tiles_quant.h): per group of kGroup values one fp32 scale (amax /
+// 127) and the values q + 128 as bytes (vpdpbusd's unsigned operand), for int4 weights in
+// the order of int4_slot within each 64 values. n == 0: the call does not use the tiles.
+struct WideInputs {
+  int64_t n = 0, kp = 0, groups = 0;
+  bool int4 = false;
+  std::vector<uint8_t> q;  // [n, kp]
+  std::vector<float> s;    // [n, groups]
+  void init(int64_t n_, int64_t kp_, bool int4_) {
+    n = n_, kp = kp_, int4 = int4_, groups = (kp + kGroup - 1) / kGroup;
+    q.assign(n * kp, 128);
+    s.assign(n * groups, 0.f);
+  }
+  // Fill vector i from len fp32 values (the rest of kp stays zero, stored as 128).
+  void set(int64_t i, const float* v, int64_t len) {
+    uint8_t* out = q.data() + i * kp;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t lo = g * kGroup, hi = std::min(len, lo + kGroup);
+      float amax = 0.f;
+      for (int64_t k = lo; k < hi; ++k) amax = std::max(amax, std::fabs(v[k]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      for (int64_t k = lo; k < hi; ++k) {
+        const int64_t at = int4 ? k - k % 64 + int4_slot(k % 64) : k;
+        out[at] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(v[k] * inv)) + 128);
+      }
+      s[i * groups + g] = amax / 127.f;
     }
   }
 };
