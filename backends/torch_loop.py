@@ -40,4 +40,5 @@ class TorchLoopBackend(md.BackendBase):
 def moe_dispatch_backends() -> list[md.BackendSpec]:
     return [md.BackendSpec(NAME, PRIORITY, TorchLoopBackend(),
                            description="per-expert PyTorch loop (portable reference path)",
-                           version=torch.__version__, weights=("float", "int8", "int4"))]
+                           version=torch.__version__, weights=("float", "int8", "int4"),
+                           weight_copies=0)]  # it reads the layer's canonical weights

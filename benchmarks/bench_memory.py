@@ -3,6 +3,9 @@
 Usage: .venv/bin/python benchmarks/bench_memory.py [--config C2] [--dtype float32]
        [--scheme int8|int4g128]   (quantized experts; multiples of the bf16 weight bytes)
 
+Rows: "default", the layer as a user gets it (``policy="auto"``, tuned at ``prepare()``
+from nothing, only its routes' states kept), then each accepting backend forced.
+
 Reports, in MiB and as a multiple of the layer's weight bytes, measured from
 /proc/self/status (Linux only):
 - kept: resident memory added by prepare() while the caller keeps its weights (the layer
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -62,11 +66,12 @@ base = status("VmRSS")
 with open("/proc/self/clear_refs", "w") as fh:  # reset the peak (VmHWM) to the current RSS
     fh.write("5")
 if {mode!r} == "kept":
-    layer = md.MoELayer(config, backend={backend!r}).load_weights(*args).prepare()
+    layer = md.MoELayer(config, backend={backend!r}, tuning_cache=False).load_weights(*args).prepare()
     gc.collect()
     print(json.dumps(dict(weight_bytes=nbytes, kept=status("VmRSS") - base, peak=status("VmHWM") - base)))
 else:  # owned: a fresh process, so no other layer's zentorch cache entries are counted
-    layer = md.MoELayer(config, backend={backend!r}, keep_canonical=False).load_weights(*args).prepare()
+    layer = md.MoELayer(config, backend={backend!r}, keep_canonical=False,
+                        tuning_cache=False).load_weights(*args).prepare()
     del w13, w2, args
     gc.collect()
     print(json.dumps(dict(owned=status("VmRSS") - empty)))
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="C2")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--backends", default=None, help="comma list (default: every accepting backend)")
+    p.add_argument("--backends", default=None, help="comma list, \"default\" for the default layer (default: it and every accepting backend)")
     p.add_argument("--scheme", default=None, choices=["int8", "int4g128"],
                    help="quantized experts (bf16 activations); figures are multiples of the bf16 weight bytes")
     args = p.parse_args(argv)
@@ -86,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     from bench_backends import CONFIGS
     scheme = {"int8": md.QuantScheme("int8"), "int4g128": md.QuantScheme("int4", group_size=128)}.get(args.scheme)
     config = md.MoEConfig(**CONFIGS[args.config], dtype=getattr(torch, args.dtype), weight_scheme=scheme)
-    names = args.backends.split(",") if args.backends else [
-        c.name for c in md.resolve(config).candidates if c.decision.accepted]
+    names = args.backends.split(",") if args.backends else ["default"] + [
+        c.name for c in md.resolve(config, max_weight_copies=math.inf).candidates if c.decision.accepted]
     bench_dir = os.path.dirname(os.path.abspath(__file__))
     print(f"{args.config} {config.describe()}")
     print(f"{'backend':<10} {'weights MiB':>12} {'kept MiB':>10} {'kept/w':>7} {'peak MiB':>10} "
@@ -96,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         r: dict = {}
         for mode in ("kept", "owned"):
             code = CHILD.format(bench_dir=bench_dir, config=args.config, dtype=args.dtype,
-                                backend=name, mode=mode, scheme=args.scheme)
+                                backend=None if name == "default" else name, mode=mode,
+                                scheme=args.scheme)
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
             line = next((ln for ln in out.stdout.splitlines() if ln.startswith("{")), None)
             if line is None:

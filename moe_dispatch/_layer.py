@@ -65,7 +65,8 @@ class MoELayer(torch.nn.Module):
                  strict: bool | None = None, keep_canonical: bool = True,
                  policy: str | None = None, max_candidates: int | None = None,
                  tune_max_tokens: int = 512, tune_budget_s: float | None = None,
-                 tuning_cache: str | os.PathLike | bool | None = None) -> None:
+                 tuning_cache: str | os.PathLike | bool | None = None,
+                 max_weight_copies: float | None = None) -> None:
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise InvalidTypeError("config", config, "a moe_dispatch.MoEConfig")
@@ -76,10 +77,12 @@ class MoELayer(torch.nn.Module):
         self.options = LayerOptions.build(
             backend=backend, exclude=exclude, capabilities=capabilities, strict=strict,
             keep_canonical=keep_canonical, policy=policy, max_candidates=max_candidates,
-            tune_max_tokens=tune_max_tokens, tune_budget_s=tune_budget_s, tuning_cache=tuning_cache)
+            tune_max_tokens=tune_max_tokens, tune_budget_s=tune_budget_s, tuning_cache=tuning_cache,
+            max_weight_copies=max_weight_copies)
         # Resolve now: a bad forced name or an unsupported config fails at construction.
         self._config_resolution: Resolution = resolve(
-            config, backend=backend, exclude=self.options.exclude, capabilities=capabilities)
+            config, backend=backend, exclude=self.options.exclude, capabilities=capabilities,
+            max_weight_copies=max_weight_copies)
         self._loaded: CanonicalWeights | None = None  # strong until prepare() re-holds them
         self._plan: ExecutionPlan | None = None
         self._demotions: list[Demotion] = []

@@ -10,6 +10,7 @@ import attrs
 
 from ._capabilities import Capabilities
 from ._errors import InvalidArgumentError, InvalidTypeError
+from ._memory import check_copies_arg
 
 POLICIES = ("auto", "priority", "fastest")
 DEFAULT_POLICY = "auto"
@@ -34,6 +35,7 @@ class TuningOptions:
     budget_s: float = POLICY_DEFAULTS[DEFAULT_POLICY][1]
     cache: str | Path | bool | None = None
     adaptive: bool = True
+    max_weight_copies: float | None = None  # None: the format's default (_memory)
 
 
 @attrs.frozen(slots=True)
@@ -48,11 +50,16 @@ class LayerOptions:
     policy: str = DEFAULT_POLICY
     tuning: TuningOptions = TuningOptions()
 
+    @property
+    def max_weight_copies(self) -> float | None:
+        return self.tuning.max_weight_copies
+
     @classmethod
     def build(cls, *, backend: str | None, exclude: Iterable[str] | str,
               capabilities: Capabilities | None, strict: bool | None, keep_canonical: bool,
               policy: str | None, max_candidates: int | None, tune_max_tokens: int,
-              tune_budget_s: float | None, tuning_cache: str | os.PathLike | bool | None) -> "LayerOptions":
+              tune_budget_s: float | None, tuning_cache: str | os.PathLike | bool | None,
+              max_weight_copies: float | None = None) -> "LayerOptions":
         """Validate the arguments; env ``MOE_DISPATCH_STRICT`` / ``MOE_DISPATCH_POLICY``
         fill in what was not given."""
         if capabilities is not None and not isinstance(capabilities, Capabilities):
@@ -77,4 +84,5 @@ class LayerOptions:
                    tuning=TuningOptions(
                        max_candidates if max_candidates is not None else cands, tune_max_tokens,
                        float(budget if tune_budget_s is None else tune_budget_s), cache,
-                       adaptive=policy != "fastest"))
+                       adaptive=policy != "fastest",
+                       max_weight_copies=check_copies_arg(max_weight_copies)))

@@ -35,7 +35,7 @@ def build_plan(config: MoEConfig, options: LayerOptions, config_stage: Resolutio
     if demotions:
         res = resolve(config, backend=options.backend,
                       exclude=options.exclude + tuple(d.backend for d in demotions),
-                      capabilities=options.capabilities)
+                      capabilities=options.capabilities, max_weight_copies=options.max_weight_copies)
     caps = res.capabilities
 
     def build(rec: BackendRecord) -> Any:

@@ -25,6 +25,7 @@ from ._decision import Decision, reject
 from ._errors import (BackendRejectedError, InvalidArgumentError, InvalidTypeError,
                       KernelError, NoBackendError, UnknownBackendError)
 from ._explain import format_table
+from ._memory import check_copies_arg, over_budget, weight_budget
 from ._registry import PluginFailure, env_names, get_registry
 from ._resolution import Candidate, Resolution, Status
 from ._spec import BackendRecord, LayerWeights, normalize_name
@@ -123,12 +124,15 @@ def clear_cache() -> None:
 
 
 def resolve(config: MoEConfig, *, backend: str | None = None, exclude: Iterable[str] = (),
-            capabilities: Capabilities | None = None) -> Resolution:
+            capabilities: Capabilities | None = None,
+            max_weight_copies: float | None = None) -> Resolution:
     """Pick the backend for ``config``: the first, by priority, whose config check accepts.
 
     ``backend`` (or env ``MOE_DISPATCH_BACKEND``) forces one; forced and rejected raises
     :class:`BackendRejectedError`. ``exclude`` (and env ``MOE_DISPATCH_DISABLE``) removes
-    backends. Raises :class:`NoBackendError` listing every reason when none accepts.
+    backends, and so does ``max_weight_copies`` every backend that holds more copies of the
+    weights (None: one for quantized weights, no limit for float ones; a forced backend
+    runs regardless). Raises :class:`NoBackendError` listing every reason when none accepts.
     """
     if not isinstance(config, MoEConfig):
         raise InvalidTypeError("config", config, "a moe_dispatch.MoEConfig")
@@ -141,8 +145,9 @@ def resolve(config: MoEConfig, *, backend: str | None = None, exclude: Iterable[
     caps = capabilities if capabilities is not None else Capabilities.detect()
     forced = forced_name(backend)
     by_arg, by_env = _exclusion_sets(exclude)
+    budget = weight_budget(config, check_copies_arg(max_weight_copies))
     snap = get_registry().snapshot()
-    key = (snap.generation, config, caps, forced, by_arg, by_env, gate_env(snap.records))
+    key = (snap.generation, config, caps, forced, by_arg, by_env, budget, gate_env(snap.records))
     hit = _CACHE.get(key)
     # A hit is valid only while every op a gate looked up still answers the same (a vendor
     # may register its op after a first resolution rejected it).
@@ -150,7 +155,7 @@ def resolve(config: MoEConfig, *, backend: str | None = None, exclude: Iterable[
         return hit[0]
     with record_ops() as asked:
         # Failures are not cached: they raise, and the caller fixes the input.
-        res = _resolve(config, caps, forced, by_arg, by_env, snap.records, snap.failures)
+        res = _resolve(config, caps, forced, by_arg, by_env, budget, snap.records, snap.failures)
     _CACHE.put(key, (res, tuple(asked.items())))
     _announce(res)
     return res
@@ -168,7 +173,7 @@ def _status(rec: BackendRecord, dec: Decision, excluded: bool, chosen: str | Non
 
 
 def _resolve(config: MoEConfig, caps: Capabilities, forced: str | None, by_arg: frozenset[str],
-             by_env: frozenset[str], records: tuple[BackendRecord, ...],
+             by_env: frozenset[str], budget: float, records: tuple[BackendRecord, ...],
              failures: tuple[PluginFailure, ...]) -> Resolution:
     names = [r.name for r in records]
     if forced is not None:
@@ -190,6 +195,8 @@ def _resolve(config: MoEConfig, caps: Capabilities, forced: str | None, by_arg: 
             decisions.append((rec, reject(
                 f"runs {'/'.join(rec.spec.weights)} weights; this config has "
                 f"{'float' if scheme is None else scheme.describe()} weights"), False))
+        elif forced is None and (why := over_budget(rec, config, budget)) is not None:
+            decisions.append((rec, reject(why), True))
         else:
             decisions.append((rec, call_check(rec, "supports_config", config, caps), False))
     if forced is not None:
@@ -279,10 +286,11 @@ def resolve_layer(res: Resolution, weights: LayerWeights,
 
 
 def explain(config: MoEConfig, *, backend: str | None = None, exclude: Iterable[str] = (),
-            capabilities: Capabilities | None = None) -> str:
+            capabilities: Capabilities | None = None,
+            max_weight_copies: float | None = None) -> str:
     """The resolution table for ``config`` as text; on failure the table of reasons."""
     try:
-        return resolve(config, backend=backend, exclude=exclude,
-                       capabilities=capabilities).explain()
+        return resolve(config, backend=backend, exclude=exclude, capabilities=capabilities,
+                       max_weight_copies=max_weight_copies).explain()
     except NoBackendError as exc:
         return str(exc)

@@ -6,7 +6,6 @@ pluggy's LIFO call order for priority: ordering is an explicit sort key.
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, runtime_checkable
 
 import attrs
@@ -14,6 +13,10 @@ import pluggy
 import torch
 
 from ._decision import Decision, accept
+from ._spec_fields import (WEIGHT_FORMATS, check_backend, check_copies, check_hosts,
+                           check_max_tokens, check_name, check_priority, check_weights,
+                           copies_converter, max_tokens_converter, names_converter,
+                           normalize, ops_converter, normalize_name)
 
 if TYPE_CHECKING:
     from ._capabilities import Capabilities
@@ -25,14 +28,6 @@ ENTRY_POINT_GROUP = "moe_dispatch.backends"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
-
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.\-]*$")
-
-
-def normalize_name(name: str) -> str:
-    """Backend names are case-insensitive; ``-`` and ``_`` are the same. Normalised once."""
-    return name.strip().lower().replace("-", "_")
-
 
 @attrs.define(slots=True, eq=False)
 class LayerWeights:
@@ -122,83 +117,6 @@ class BackendBase:
         return {}
 
 
-_REQUIRED_METHODS = ("supports_config", "supports_layer", "process_weights", "apply")
-
-
-def _check_name(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if not isinstance(value, str):
-        raise TypeError(f"BackendSpec.name must be a str, got {type(value).__name__} {value!r}")
-    if not _NAME_RE.match(value):
-        raise ValueError(f"BackendSpec.name {value!r} must match {_NAME_RE.pattern} "
-                         "after normalisation (lower case, '-' becomes '_')")
-
-
-def _normalize(value: Any) -> Any:
-    return normalize_name(value) if isinstance(value, str) else value
-
-
-def _check_priority(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"BackendSpec.priority must be an int, got {type(value).__name__}")
-
-
-def _ops_converter(value: Any) -> tuple[tuple[str, str], ...]:
-    items = value.items() if isinstance(value, Mapping) else value
-    return tuple(sorted((str(k), str(v)) for k, v in items))
-
-
-def _names_converter(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = (value,)
-    return tuple(sorted({str(v) for v in value}))
-
-
-WEIGHT_FORMATS = ("float", "int8", "int4")
-
-
-def _check_weights(instance: Any, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
-    unknown = [v for v in value if v not in WEIGHT_FORMATS]
-    if unknown or not value:
-        raise ValueError(f"BackendSpec.weights={list(value)}: expected a non-empty subset of "
-                          f"{list(WEIGHT_FORMATS)}")
-
-
-def _limit_ok(value: Any) -> bool:
-    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
-
-
-def _max_tokens_converter(value: Any) -> Any:
-    # A mapping becomes sorted (format, limit) pairs: hashable, like ``ops``.
-    if isinstance(value, Mapping):
-        return tuple(sorted((str(k), v) for k, v in value.items()))
-    return value
-
-
-def _check_max_tokens(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, tuple):
-        bad = [(f, v) for f, v in value if f not in WEIGHT_FORMATS or not _limit_ok(v)]
-        if bad:
-            raise ValueError(f"BackendSpec.max_tokens={dict(value)!r}: expected formats of "
-                             f"{list(WEIGHT_FORMATS)} mapped to a positive int or None")
-    elif not _limit_ok(value):
-        raise ValueError(f"BackendSpec.max_tokens={value!r}: expected a positive int, None, or "
-                         f"a mapping of weight formats ({', '.join(WEIGHT_FORMATS)}) to those")
-
-
-def _check_hosts(instance: Any, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
-    bad = [v for v in value if not _NAME_RE.match(v)]
-    if bad:
-        raise ValueError(f"BackendSpec.avoid_hosts={list(value)}: host names match "
-                         f"{_NAME_RE.pattern} (e.g. 'vllm')")
-
-
-def _check_backend(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    missing = [m for m in _REQUIRED_METHODS if not callable(getattr(value, m, None))]
-    if missing:
-        raise TypeError(f"BackendSpec.backend {type(value).__name__} lacks callable "
-                        f"{', '.join(missing)}")
-
-
 @attrs.frozen(slots=True)
 class BackendSpec:
     """The record a plugin returns from its ``moe_dispatch_backends`` hook.
@@ -236,24 +154,40 @@ class BackendSpec:
     leave this backend out of their routing by default, for what it does to the host
     around it, which a layer's own timing cannot see (the host's documentation says how a
     user lets it compete again). Forced, it still runs.
+
+    ``weight_copies``: how many copies of the layer's weights (counted in the bytes of the
+    layer's format) a prepared state of this backend keeps, its kernel's own caches
+    included: a number, or a mapping from weight format to one (a format it does not name:
+    1). Measured, not guessed (docs/writing-a-backend.md says how); the default, 1, is a
+    private copy in the backend's layout. A layer's ``max_weight_copies`` leaves out
+    backends, and combinations of routes, that would hold more.
     """
 
-    name: str = attrs.field(converter=_normalize, validator=_check_name)
-    priority: int = attrs.field(validator=_check_priority)
-    backend: Backend = attrs.field(validator=_check_backend, eq=False)
+    name: str = attrs.field(converter=normalize, validator=check_name)
+    priority: int = attrs.field(validator=check_priority)
+    backend: Backend = attrs.field(validator=check_backend, eq=False)
     description: str = ""
     version: str = ""
     validates_ids: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool),
                                       kw_only=True)
-    ops: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_ops_converter,
+    ops: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=ops_converter,
                                                    kw_only=True)
-    env_vars: tuple[str, ...] = attrs.field(default=(), converter=_names_converter, kw_only=True)
-    weights: tuple[str, ...] = attrs.field(default=("float",), converter=_names_converter,
-                                           validator=_check_weights, kw_only=True)
+    env_vars: tuple[str, ...] = attrs.field(default=(), converter=names_converter, kw_only=True)
+    weights: tuple[str, ...] = attrs.field(default=("float",), converter=names_converter,
+                                           validator=check_weights, kw_only=True)
     max_tokens: int | None | tuple[tuple[str, int | None], ...] = attrs.field(
-        default=None, converter=_max_tokens_converter, validator=_check_max_tokens, kw_only=True)
-    avoid_hosts: tuple[str, ...] = attrs.field(default=(), converter=_names_converter,
-                                               validator=_check_hosts, kw_only=True)
+        default=None, converter=max_tokens_converter, validator=check_max_tokens, kw_only=True)
+    avoid_hosts: tuple[str, ...] = attrs.field(default=(), converter=names_converter,
+                                               validator=check_hosts, kw_only=True)
+    weight_copies: float | tuple[tuple[str, float], ...] = attrs.field(
+        default=1.0, converter=copies_converter, validator=check_copies, kw_only=True)
+
+    def copies(self, weight_format: str = "float") -> float:
+        """The copies of the weights a prepared state of this backend holds, for
+        ``weight_format`` weights (``weight_copies``)."""
+        if isinstance(self.weight_copies, tuple):
+            return float(dict(self.weight_copies).get(weight_format, 1.0))
+        return float(self.weight_copies)
 
     def token_limit(self, weight_format: str = "float") -> int | None:
         """The largest bucket routed to this backend for weights of ``weight_format``."""

@@ -24,6 +24,7 @@ from ._resolver import call_check
 from ._spec import BackendRecord, LayerWeights
 from ._buckets import bucket_sizes, within_limits
 from ._measure import Runner, measure, measure_adaptive
+from ._memory import weight_budget, within_memory
 from ._tuning_cache import TuningCache, tuning_key
 
 log = logging.getLogger("moe_dispatch")
@@ -64,11 +65,14 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
         return (chosen,) * len(sizes), rows, f"one candidate ({chosen.name}): nothing to measure"
     cache = None if options.cache is False else TuningCache(
         None if options.cache in (None, True) else options.cache)  # type: ignore[arg-type]
-    key = tuning_key(config, final.capabilities, {n: records[n].spec.version for n in names})
+    budget = weight_budget(config, options.max_weight_copies)
+    key = tuning_key(config, final.capabilities, {n: records[n].spec.version for n in names},
+                     budget)
     cached = cache.get(key, names, sizes) if cache is not None else None
     if cached is not None and not options.adaptive and list(cached.measured) != sizes:
         cached = None  # "fastest" wants every bucket measured, not a probed table
     prepared: dict[str, Route] = {chosen.name: chosen}
+    fitted = ""
 
     need = 2 * sum(t.numel() * t.element_size() for _, t in weights.tensors())
     skipped: list[str] = []
@@ -107,6 +111,8 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
         table, timings = fn(runners, config, sizes, options.budget_s, chosen.name, serves=serves)
         table = within_limits(table, timings, sizes, {n: records[n] for n in prepared},
                               config.weight_format)
+        table, fitted = within_memory(table, timings, sizes, {
+            n: records[n].spec.copies(config.weight_format) for n in prepared}, budget)
         measured = set(timings)
         if cache is not None:
             cache.put(key, table, timings, config)
@@ -117,7 +123,9 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
                  "source": _source(t, measured, cached is not None, options.adaptive)}
              for t in sizes}
     left = f" ({', '.join(skipped)} not prepared: memory)" if skipped else ""
-    return routes, tuned, f"{how}; candidates {', '.join(n for n in names if n not in skipped)}{left}"
+    fitted = f"; {fitted}" if fitted else ""
+    return routes, tuned, (f"{how}; candidates {', '.join(n for n in names if n not in skipped)}"
+                           f"{left}{fitted}")
 
 
 def available_bytes() -> int | None:

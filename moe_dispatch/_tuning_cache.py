@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import logging
 import os
 import tempfile
@@ -40,9 +41,12 @@ class CachedTable:
     timings: dict[int, dict[str, float]]
 
 
-def tuning_key(config: MoEConfig, caps: Capabilities, versions: dict[str, str]) -> str:
+def tuning_key(config: MoEConfig, caps: Capabilities, versions: dict[str, str],
+               max_weight_copies: float = math.inf) -> str:
     parts = [config.describe(), dtype_name(config.dtype), caps.fingerprint(), str(caps.threads),
              json.dumps(sorted(versions.items()))]
+    if math.isfinite(max_weight_copies):  # a table fitted to a memory limit is its own
+        parts.append(f"max_weight_copies={max_weight_copies:g}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 

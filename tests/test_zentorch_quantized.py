@@ -7,6 +7,8 @@ the bf16 weight-only tolerance."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -34,7 +36,15 @@ def _cfg(scheme, **kw):
 def test_gate_accepts_symmetric_schemes_in_bf16_with_vnni(scheme):
     d = ZentorchBackend().supports_config(_cfg(scheme), ZEN4)
     assert d.accepted and f"W{scheme.bits}A8" in d.reason, d.reason
-    assert md.resolve(_cfg(scheme), capabilities=ZEN4).backend == "zentorch"
+    # Its state holds about two copies of the quantized weights (the op's cache and the
+    # buffer it reads): over a quantized layer's default memory limit, it runs when the
+    # limit is lifted.
+    lifted = md.resolve(_cfg(scheme), capabilities=ZEN4, max_weight_copies=math.inf)
+    assert lifted.backend == "zentorch"
+    res = md.resolve(_cfg(scheme), capabilities=ZEN4)
+    cand = next(c for c in res.candidates if c.name == "zentorch")
+    assert res.backend != "zentorch" and str(cand.status) == "excluded"
+    assert "max_weight_copies=1.1" in cand.reason and "copies" in cand.reason, cand.reason
 
 
 def test_gate_rejects_what_the_op_cannot_run():
@@ -62,7 +72,7 @@ def test_gate_rejects_what_the_op_cannot_run():
 
 # -- the real op -------------------------------------------------------------------------------
 def _runs_here(scheme) -> tuple[bool, str]:
-    res = md.resolve(_cfg(scheme))
+    res = md.resolve(_cfg(scheme), max_weight_copies=math.inf)
     cand = next((c for c in res.candidates if c.name == "zentorch"), None)
     return (cand is not None and cand.decision.accepted,
             cand.reason if cand is not None else "the zentorch backend is not registered")
