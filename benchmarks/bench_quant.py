@@ -8,7 +8,9 @@ Per config and scheme, in one round-robin (rounds in a shuffled order, medians):
 - "bf16 default": ``MoELayer(config)`` on the float weights (policy="auto", tuned fresh);
 - "raw:zentorch bf16 op": the op on that config's prepared zentorch weights, when it runs here;
 - "<scheme> default": ``MoELayer(quantized config)`` (policy="auto" among the backends that
-  declare the format), and each accepting quantized backend forced.
+  declare the format, within the default ``max_weight_copies``: one copy of the quantized
+  weights); "<scheme> default, no copy limit": the same with ``max_weight_copies=inf``;
+  and each accepting quantized backend forced.
 Printed: ms per call, the ratio of each to the bf16 default, the quantized default's table,
 and the bytes the quantized default reads (``QuantizedExperts`` bytes per expert x distinct
 experts of the first routing of the pool / time) as a fraction of a 1 GiB ``torch.sum`` read
@@ -19,6 +21,7 @@ random (scale 0.05), never zeros.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -72,7 +75,11 @@ def main(argv: list[str] | None = None) -> int:
                   + ", ".join(f"T<={t}: {n}" for t, n in (default.tuned_table or {}).items()),
                   file=sys.stderr)
             fns[f"{sname} default"] = default
-            for cand in md.resolve(qcfg).candidates:
+            free = md.MoELayer(qcfg, tuning_cache=False, max_weight_copies=math.inf).load_weights(qe).prepare()
+            print(f"{cname} {sname}, no copy limit: routes: "
+                  + ", ".join(f"T<={t}: {n}" for t, n in (free.tuned_table or {}).items()), file=sys.stderr)
+            fns[f"{sname} default, no copy limit"] = free
+            for cand in md.resolve(qcfg, max_weight_copies=math.inf).candidates:
                 if cand.decision.accepted:
                     fns[f"{sname} {cand.name}"] = md.MoELayer(qcfg, backend=cand.name).load_weights(qe).prepare()
         print(f"\n### {cname}: {fcfg.describe()}, quantized from the same float weights\n")

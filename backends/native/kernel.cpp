@@ -135,6 +135,7 @@ class Experts {
     const float* b13 = b13_ ? b13_->const_data_ptr<float>() : nullptr;
     at::parallel_for(0, static_cast<int64_t>(active.size()) * blocks, 1, [&](int64_t lo, int64_t hi) {
       std::vector<float> gate, up;  // [pairs of the expert, kUnits]
+      std::vector<float> sx(xw.groups * kTile8);  // a tile's input scales (wide inputs)
       for (int64_t item = lo; item < hi; ++item) {
         const int64_t e = active[item / blocks], u0 = (item % blocks) * kUnits;
         const int64_t u1 = std::min(inter_, u0 + kUnits), n = start[e + 1] - start[e];
@@ -146,13 +147,14 @@ class Experts {
           const int64_t m = std::min(kTile, n - j);
           int64_t idx[kTile];
           for (int64_t q = 0; q < m; ++q) idx[q] = source(order[start[e] + j + q]);
+          if (wide) xw.gather(idx, m, sx.data());
           for (int64_t u = u0; u < u1; ++u) {
             // Canonical rows: gate u and up I + u; interleaved (swigluoai): 2u and 2u + 1.
             const int64_t rg = act_ == kSwigluOai ? 2 * u : u;
             const int64_t ru = act_ == kSwigluOai ? 2 * u + 1 : inter_ + u;
             const float bg = b13 ? b13[e * 2 * inter_ + rg] : 0.f, bu = b13 ? b13[e * 2 * inter_ + ru] : 0.f;
             float o[2 * kTile];
-            rows_dots(fmt_, w13_, e, rg, ru, xin, xw, idx, m, o);
+            rows_dots(fmt_, w13_, e, rg, ru, xin, xw, idx, m, sx.data(), o);
             for (int64_t q = 0; q < m; ++q) {
               gate[(j + q) * kUnits + u - u0] = o[2 * q] + bg;
               up[(j + q) * kUnits + u - u0] = o[2 * q + 1] + bu;
@@ -161,8 +163,7 @@ class Experts {
         }
         for (int64_t j = 0; j < n; ++j) {
           float* a = act.data() + order[start[e] + j] * ip;
-          for (int64_t u = u0; u < u1; ++u)
-            a[u] = activate(act_, gate[j * kUnits + u - u0], up[j * kUnits + u - u0]);
+          activate_units(act_, gate.data() + j * kUnits, up.data() + j * kUnits, a + u0, u1 - u0);
         }
       }
     });
@@ -188,6 +189,7 @@ class Experts {
       // one contiguous stream (h1 - h0 rows of w2[e]) for the prefetcher.
       const int64_t h0 = lo * kCols, h1 = std::min(hidden_, hi * kCols), width = h1 - h0;
       std::vector<float> acc(tokens * width, 0.f);
+      std::vector<float> sx(aw.groups * kTile8);  // a tile's input scales (wide inputs)
       for (const int64_t e : active) {
         // Two rows at once, h and h + half: two streams per thread, as in step 2 (the
         // middle row of an odd range is computed twice and kept once).
@@ -198,11 +200,12 @@ class Experts {
           const int64_t c1 = std::min(h0 + half, c0 + kChunk);
           for (int64_t slot = start[e]; slot < start[e + 1]; slot += kTile) {
             const int64_t m = std::min(kTile, start[e + 1] - slot);
+            if (wide) aw.gather(order.data() + slot, m, sx.data());
             for (int64_t h = c0; h < c1; ++h) {
               const int64_t h2 = h + half < h1 ? h + half : h;
               const float bias0 = b2 ? b2[e * hidden_ + h] : 0.f, bias1 = b2 ? b2[e * hidden_ + h2] : 0.f;
               float o[2 * kTile];
-              rows_dots(fmt_, w2_, e, h, h2, ain, aw, order.data() + slot, m, o);
+              rows_dots(fmt_, w2_, e, h, h2, ain, aw, order.data() + slot, m, sx.data(), o);
               for (int64_t q = 0; q < m; ++q) {
                 const int64_t p = order[slot + q];
                 const float scale = on_input ? 1.f : w[p];

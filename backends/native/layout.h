@@ -35,6 +35,7 @@ constexpr int64_t kUnits = 16;  // intermediate units per work item of step 2
 constexpr int64_t kCols = 16;   // output columns per work item of step 4
 constexpr int64_t kTile = 6;    // inputs per call of rows_dots (dots.h)
 constexpr int64_t kGroup = 128; // values per input scale of the wide inputs (tiles_quant.h)
+constexpr int64_t kTile8 = 8;   // a tile's inputs' scales per group, padded to a vector
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -189,6 +190,11 @@ struct WideInputs {
       }
       s[i * groups + g] = amax / 127.f;
     }
+  }
+  // The scales of the n inputs idx[] side by side, out[g * kTile8 + j] (the rest zero).
+  void gather(const int64_t* idx, int64_t n_, float* out) const {
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t j = 0; j < kTile8; ++j) out[g * kTile8 + j] = j < n_ ? s[idx[j] * groups + g] : 0.f;
   }
 };
 

@@ -96,10 +96,11 @@ __attribute__((always_inline)) inline void unit_dots(const uint8_t* w0, const ui
 }
 
 // Rows r0 and r1 of expert e dotted with N (1..kTile) wide inputs idx[n], into
-// o = {r0.x0, r1.x0, r0.x1, r1.x1, ...} as row_dot2x2 writes them.
+// o = {r0.x0, r1.x0, r0.x1, r1.x1, ...} as row_dot2x2 writes them. sx: the inputs' scales
+// side by side per group (WideInputs::gather), so that a unit's scales are one vector.
 template <int N, bool kInt4, bool kRowScale>
 void tile_dots(const Proj& p, int64_t e, int64_t r0, int64_t r1, const WideInputs& in,
-               const int64_t* idx, float* o) {
+               const int64_t* idx, const float* sx, float* o) {
   const int64_t unit = p.unit, units = (p.kp + unit - 1) / unit, group = p.bpg * kBlock;
   const uint8_t* w0 = p.row(e, r0);
   const uint8_t* w1 = p.row(e, r1);
@@ -107,12 +108,8 @@ void tile_dots(const Proj& p, int64_t e, int64_t r0, int64_t r1, const WideInput
   const int16_t* c1 = p.wsum.data() + (e * p.rows + r1) * units;
   const int64_t g0 = (e * p.rows + r0) * p.groups, g1 = (e * p.rows + r1) * p.groups;
   const uint8_t* x[N];
-  const float* xs[N];
 #pragma GCC unroll 6
-  for (int n = 0; n < N; ++n) {
-    x[n] = in.q.data() + idx[n] * in.kp;
-    xs[n] = in.s.data() + idx[n] * in.groups;
-  }
+  for (int n = 0; n < N; ++n) x[n] = in.q.data() + idx[n] * in.kp;
   __m512 f0[N], f1[N];
 #pragma GCC unroll 6
   for (int n = 0; n < N; ++n) f0[n] = f1[n] = _mm512_setzero_ps();
@@ -131,23 +128,27 @@ void tile_dots(const Proj& p, int64_t e, int64_t r0, int64_t r1, const WideInput
     // A unit is 128 values (two steps) or 64; the last one of a row may be 64 either way.
     if (std::min(p.kp - k0, unit) == 2 * kStep) unit_dots<N, 2, kInt4>(w0, w1, x, k0, z0, z1, a0, a1);
     else unit_dots<N, 1, kInt4>(w0, w1, x, k0, z0, z1, a0, a1);
-    // Scaled once per unit by the input's scale (a broadcast from memory) and, with weight
-    // groups, the row's scale; a per-row scale is applied once, after the sums.
-    const int64_t ga = k0 / kGroup;
+    // Scaled once per unit: by the input's scale (a broadcast from memory), and with weight
+    // groups by the row's scale too, both products of a row made by one multiply of the
+    // unit's scales; a per-row scale is applied once, after the sums.
+    const float* su = sx + (k0 / kGroup) * kTile8;
     if constexpr (kRowScale) {
 #pragma GCC unroll 6
       for (int n = 0; n < N; ++n) {
-        const __m512 sx = _mm512_set1_ps(xs[n][ga]);
-        f0[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[n]), sx, f0[n]);
-        f1[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[n]), sx, f1[n]);
+        const __m512 s = _mm512_set1_ps(su[n]);
+        f0[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[n]), s, f0[n]);
+        f1[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[n]), s, f1[n]);
       }
     } else {
-      const __m512 s0 = _mm512_set1_ps(scale_at(p, g0 + g)), s1 = _mm512_set1_ps(scale_at(p, g1 + g));
+      alignas(32) float p0[kTile8], p1[kTile8];
+      const __m256 v = _mm256_loadu_ps(su);
+      _mm256_store_ps(p0, _mm256_mul_ps(v, _mm256_set1_ps(scale_at(p, g0 + g))));
+      _mm256_store_ps(p1, _mm256_mul_ps(v, _mm256_set1_ps(scale_at(p, g1 + g))));
+      asm volatile("" ::: "memory");  // read them back as broadcasts from memory, not shuffles
 #pragma GCC unroll 6
       for (int n = 0; n < N; ++n) {
-        const __m512 sx = _mm512_set1_ps(xs[n][ga]);
-        f0[n] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a0[n]), sx), s0, f0[n]);
-        f1[n] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a1[n]), sx), s1, f1[n]);
+        f0[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[n]), _mm512_set1_ps(p0[n]), f0[n]);
+        f1[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[n]), _mm512_set1_ps(p1[n]), f1[n]);
       }
     }
   }
@@ -161,23 +162,24 @@ void tile_dots(const Proj& p, int64_t e, int64_t r0, int64_t r1, const WideInput
 
 template <bool kInt4, bool kRowScale>
 inline void tile_dots_n(const Proj& p, int64_t e, int64_t r0, int64_t r1, const WideInputs& in,
-                        const int64_t* idx, int64_t n, float* o) {
+                        const int64_t* idx, int64_t n, const float* sx, float* o) {
   switch (n) {
-    case 1: return tile_dots<1, kInt4, kRowScale>(p, e, r0, r1, in, idx, o);
-    case 2: return tile_dots<2, kInt4, kRowScale>(p, e, r0, r1, in, idx, o);
-    case 3: return tile_dots<3, kInt4, kRowScale>(p, e, r0, r1, in, idx, o);
-    case 4: return tile_dots<4, kInt4, kRowScale>(p, e, r0, r1, in, idx, o);
-    case 5: return tile_dots<5, kInt4, kRowScale>(p, e, r0, r1, in, idx, o);
-    default: return tile_dots<6, kInt4, kRowScale>(p, e, r0, r1, in, idx, o);
+    case 1: return tile_dots<1, kInt4, kRowScale>(p, e, r0, r1, in, idx, sx, o);
+    case 2: return tile_dots<2, kInt4, kRowScale>(p, e, r0, r1, in, idx, sx, o);
+    case 3: return tile_dots<3, kInt4, kRowScale>(p, e, r0, r1, in, idx, sx, o);
+    case 4: return tile_dots<4, kInt4, kRowScale>(p, e, r0, r1, in, idx, sx, o);
+    case 5: return tile_dots<5, kInt4, kRowScale>(p, e, r0, r1, in, idx, sx, o);
+    default: return tile_dots<6, kInt4, kRowScale>(p, e, r0, r1, in, idx, sx, o);
   }
 }
 
-// Rows r0 and r1 with n (1..kTile) wide inputs (dots.h's rows_dots).
+// Rows r0 and r1 with n (1..kTile) wide inputs and their gathered scales (dots.h's rows_dots).
 inline void tile_rows(int64_t fmt, const Proj& p, int64_t e, int64_t r0, int64_t r1,
-                      const WideInputs& in, const int64_t* idx, int64_t n, float* o) {
-  if (fmt == kInt4) tile_dots_n<true, false>(p, e, r0, r1, in, idx, n, o);
-  else if (p.groups == 1) tile_dots_n<false, true>(p, e, r0, r1, in, idx, n, o);
-  else tile_dots_n<false, false>(p, e, r0, r1, in, idx, n, o);
+                      const WideInputs& in, const int64_t* idx, int64_t n, const float* sx,
+                      float* o) {
+  if (fmt == kInt4) tile_dots_n<true, false>(p, e, r0, r1, in, idx, n, sx, o);
+  else if (p.groups == 1) tile_dots_n<false, true>(p, e, r0, r1, in, idx, n, sx, o);
+  else tile_dots_n<false, false>(p, e, r0, r1, in, idx, n, sx, o);
 }
 
 #endif  // MD_AVX512
