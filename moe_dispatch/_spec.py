@@ -15,8 +15,8 @@ import torch
 from ._decision import Decision, accept
 from ._spec_fields import (WEIGHT_FORMATS, check_backend, check_copies, check_hosts,
                            check_max_tokens, check_name, check_priority, check_weights,
-                           copies_converter, max_tokens_converter, names_converter,
-                           normalize, ops_converter, normalize_name)
+                           names_converter, normalize, normalize_name, ops_converter,
+                           per_format_converter)
 
 if TYPE_CHECKING:
     from ._capabilities import Capabilities
@@ -176,11 +176,11 @@ class BackendSpec:
     weights: tuple[str, ...] = attrs.field(default=("float",), converter=names_converter,
                                            validator=check_weights, kw_only=True)
     max_tokens: int | None | tuple[tuple[str, int | None], ...] = attrs.field(
-        default=None, converter=max_tokens_converter, validator=check_max_tokens, kw_only=True)
+        default=None, converter=per_format_converter, validator=check_max_tokens, kw_only=True)
     avoid_hosts: tuple[str, ...] = attrs.field(default=(), converter=names_converter,
                                                validator=check_hosts, kw_only=True)
     weight_copies: float | tuple[tuple[str, float], ...] = attrs.field(
-        default=1.0, converter=copies_converter, validator=check_copies, kw_only=True)
+        default=1.0, converter=per_format_converter, validator=check_copies, kw_only=True)
 
     def copies(self, weight_format: str = "float") -> float:
         """The copies of the weights a prepared state of this backend holds, for

@@ -62,8 +62,9 @@ def limit_ok(value: Any) -> bool:
     return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
 
 
-def max_tokens_converter(value: Any) -> Any:
-    # A mapping becomes sorted (format, limit) pairs: hashable, like ``ops``.
+def per_format_converter(value: Any) -> Any:
+    # A per-format mapping (max_tokens, weight_copies) becomes sorted (format, value) pairs:
+    # hashable, like ``ops``; a single value stays as it is.
     if isinstance(value, Mapping):
         return tuple(sorted((str(k), v) for k, v in value.items()))
     return value
@@ -97,13 +98,6 @@ def check_backend(instance: Any, attribute: attrs.Attribute, value: Any) -> None
 def copies_ok(value: Any) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
             and math.isfinite(value) and value >= 0)
-
-
-def copies_converter(value: Any) -> Any:
-    # A mapping becomes sorted (format, copies) pairs: hashable, like ``max_tokens``.
-    if isinstance(value, Mapping):
-        return tuple(sorted((str(k), v) for k, v in value.items()))
-    return value
 
 
 def check_copies(instance: Any, attribute: attrs.Attribute, value: Any) -> None:

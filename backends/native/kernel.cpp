@@ -65,8 +65,8 @@ class Experts {
       : fmt_(fmt), act_(act), experts_(experts), hidden_(hidden), inter_(inter),
         b13_(std::move(b13)), b2_(std::move(b2)) {
     TORCH_CHECK(fmt >= kBf16 && fmt <= kInt4 && act >= kSilu && act <= kSwigluOai, "format/act");
-    w13_ = make(std::move(w13), std::move(w13_scales), std::move(w13_zeros), w13_bpg, offset, 2 * inter);
-    w2_ = make(std::move(w2), std::move(w2_scales), std::move(w2_zeros), w2_bpg, offset, hidden);
+    w13_ = make_proj(fmt, experts, 2 * inter, std::move(w13), std::move(w13_scales), std::move(w13_zeros), w13_bpg, offset);
+    w2_ = make_proj(fmt, experts, hidden, std::move(w2), std::move(w2_scales), std::move(w2_zeros), w2_bpg, offset);
     TORCH_CHECK(w13_.kp >= hidden && w2_.kp >= inter, "padded reduction axes");
 #if MD_AVX512
     tile_prepare(w13_, fmt, experts);
@@ -229,45 +229,6 @@ class Experts {
   }
 
  private:
-  Proj make(at::Tensor q, OptTensor scales, OptTensor zeros, int64_t bpg, int64_t offset,
-            int64_t rows) const {
-    Proj p;
-    TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(0) == experts_ && q.size(1) == rows,
-                "weights [E, N, Kp] contiguous");
-    const int64_t width = q.size(2);
-    p.kp = fmt_ == kInt4 ? 2 * width : width;
-    TORCH_CHECK(p.kp % kBlock == 0, "the reduction axis is padded to a multiple of 32");
-    if (fmt_ == kBf16) {
-      TORCH_CHECK(q.scalar_type() == at::kBFloat16, "bf16 weights");
-    } else {
-      TORCH_CHECK(q.scalar_type() == (fmt_ == kInt8 ? at::kChar : at::kByte), "int weights");
-      TORCH_CHECK(scales.has_value() && scales->dim() == 3 && scales->is_contiguous() &&
-                  scales->size(0) == experts_ && scales->size(1) == rows, "scales [E, N, G]");
-      p.scales = *scales;
-      p.groups = p.scales.size(2);
-      if (p.scales.scalar_type() == at::kHalf)
-        p.s16 = reinterpret_cast<const uint16_t*>(p.scales.const_data_ptr<at::Half>());
-      else if (p.scales.scalar_type() == at::kFloat)
-        p.s32 = p.scales.const_data_ptr<float>();
-      else
-        TORCH_CHECK(false, "scales fp16 or fp32");
-      TORCH_CHECK(bpg >= 1 && p.groups * bpg >= p.kp / kBlock, "blocks per group");
-      if (zeros.has_value()) {
-        TORCH_CHECK(zeros->scalar_type() == at::kByte && zeros->sizes() == scales->sizes() &&
-                    zeros->is_contiguous(), "zeros uint8 like scales");
-        p.zeros = *zeros;
-        p.z = p.zeros.const_data_ptr<uint8_t>();
-      }
-    }
-    p.row_bytes = q.element_size() * width;
-    p.q = std::move(q);
-    p.base = static_cast<const uint8_t*>(p.q.const_data_ptr());
-    p.rows = rows;
-    p.bpg = bpg;
-    p.offset = offset;
-    return p;
-  }
-
   int64_t fmt_, act_, experts_, hidden_, inter_;
   Proj w13_, w2_;
   OptTensor b13_, b2_;

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
@@ -158,6 +159,47 @@ struct Inputs {
     }
   }
 };
+
+// One projection [experts, rows, Kp] in the kernel's layout (_pack.py's tensors, checked).
+inline Proj make_proj(int64_t fmt, int64_t experts, int64_t rows, at::Tensor q,
+                      std::optional<at::Tensor> scales, std::optional<at::Tensor> zeros,
+                      int64_t bpg, int64_t offset) {
+  Proj p;
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(0) == experts && q.size(1) == rows,
+              "weights [E, N, Kp] contiguous");
+  const int64_t width = q.size(2);
+  p.kp = fmt == kInt4 ? 2 * width : width;
+  TORCH_CHECK(p.kp % kBlock == 0, "the reduction axis is padded to a multiple of 32");
+  if (fmt == kBf16) {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "bf16 weights");
+  } else {
+    TORCH_CHECK(q.scalar_type() == (fmt == kInt8 ? at::kChar : at::kByte), "int weights");
+    TORCH_CHECK(scales.has_value() && scales->dim() == 3 && scales->is_contiguous() &&
+                scales->size(0) == experts && scales->size(1) == rows, "scales [E, N, G]");
+    p.scales = *scales;
+    p.groups = p.scales.size(2);
+    if (p.scales.scalar_type() == at::kHalf)
+      p.s16 = reinterpret_cast<const uint16_t*>(p.scales.const_data_ptr<at::Half>());
+    else if (p.scales.scalar_type() == at::kFloat)
+      p.s32 = p.scales.const_data_ptr<float>();
+    else
+      TORCH_CHECK(false, "scales fp16 or fp32");
+    TORCH_CHECK(bpg >= 1 && p.groups * bpg >= p.kp / kBlock, "blocks per group");
+    if (zeros.has_value()) {
+      TORCH_CHECK(zeros->scalar_type() == at::kByte && zeros->sizes() == scales->sizes() &&
+                  zeros->is_contiguous(), "zeros uint8 like scales");
+      p.zeros = *zeros;
+      p.z = p.zeros.const_data_ptr<uint8_t>();
+    }
+  }
+  p.row_bytes = q.element_size() * width;
+  p.q = std::move(q);
+  p.base = static_cast<const uint8_t*>(p.q.const_data_ptr());
+  p.rows = rows;
+  p.bpg = bpg;
+  p.offset = offset;
+  return p;
+}
 
 // The 64 values of a step as the int4 unpack of tiles_quant.h yields them: bytes 0-31 of two
 // blocks (A, B) give A 0..15, B 0..15 (low nibbles), then A 16..31, B 16..31 (high ones).
