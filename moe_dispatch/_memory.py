@@ -18,13 +18,12 @@ import math
 from itertools import combinations
 from typing import Mapping
 
+from ._buckets import Timings
 from ._config import MoEConfig
 from ._errors import InvalidArgumentError
 from ._spec import BackendRecord
 
 QUANTIZED_COPIES = 1.1
-
-Timings = dict[int, dict[str, float]]  # bucket size -> candidate -> median ms
 
 
 def check_copies_arg(value: object) -> float | None:
