@@ -6,6 +6,8 @@ bucket for larger T); these helpers decide what each bucket's route is from timi
 
 from __future__ import annotations
 
+from typing import Callable
+
 from ._spec import BackendRecord
 
 Timings = dict[int, dict[str, float]]  # bucket size -> candidate -> median ms
@@ -33,6 +35,18 @@ def pick_winner(medians: dict[str, float], default: str, margin: float = SWITCH_
     return best
 
 
+def fastest_near(timings: Timings, sizes: list[int], tokens: int,
+                 allowed: Callable[[str], bool]) -> str | None:
+    """The fastest allowed candidate at the measured bucket nearest to ``tokens`` that timed
+    one (ties by name; the smaller bucket first at equal distance), or None."""
+    where = {t: i for i, t in enumerate(sizes)}
+    for m in sorted(timings, key=lambda m: (abs(where[m] - where[tokens]), m)):
+        ok = {n: ms for n, ms in timings[m].items() if allowed(n)}
+        if ok:
+            return min(ok, key=lambda n: (ok[n], n))
+    return None
+
+
 def within_limits(table: dict[int, str], timings: Timings, sizes: list[int],
                    records: dict[str, BackendRecord], weight_format: str = "float"
                    ) -> dict[int, str]:
@@ -40,17 +54,12 @@ def within_limits(table: dict[int, str], timings: Timings, sizes: list[int],
     (``BackendSpec.max_tokens``): a bucket whose winner does not serve it takes the fastest
     candidate that does at the nearest measured bucket, else the first unlimited one in
     priority order."""
-    where = {t: i for i, t in enumerate(sizes)}
+    def serves(n: str, t: int) -> bool:
+        return n in records and records[n].spec.serves(t, weight_format)
+
     out = dict(table)
     for t in sizes:
-        if records[out[t]].spec.serves(t, weight_format):
-            continue
-        for m in sorted(timings, key=lambda m: (abs(where[m] - where[t]), m)):
-            ok = {n: ms for n, ms in timings[m].items()
-                  if n in records and records[n].spec.serves(t, weight_format)}
-            if ok:
-                out[t] = min(ok, key=lambda n: (ok[n], n))
-                break
-        else:
-            out[t] = next((n for n in records if records[n].spec.serves(t, weight_format)), out[t])
+        if not serves(out[t], t):
+            out[t] = fastest_near(timings, sizes, t, lambda n: serves(n, t)) or next(
+                (n for n in records if serves(n, t)), out[t])
     return out

@@ -18,7 +18,7 @@ import math
 from itertools import combinations
 from typing import Mapping
 
-from ._buckets import Timings
+from ._buckets import Timings, fastest_near
 from ._config import MoEConfig
 from ._errors import InvalidArgumentError
 from ._spec import BackendRecord
@@ -75,20 +75,8 @@ def within_memory(table: dict[int, str], timings: Timings, sizes: list[int],
     if not fits:
         return table, ""
     best = min(fits, key=lambda s: (loss(s), sum(copies[n] for n in s), s))
-    where = {t: i for i, t in enumerate(sizes)}
-    out = {}
-    for t in sizes:
-        if table[t] in best:
-            out[t] = table[t]
-            continue
-        # The set's fastest at the nearest measured bucket.
-        for m in sorted(timings, key=lambda m: (abs(where[m] - where[t]), m)):
-            mine = {n: ms for n, ms in timings[m].items() if n in best}
-            if mine:
-                out[t] = min(mine, key=lambda n: (mine[n], n))
-                break
-        else:
-            out[t] = best[0]
+    out = {t: table[t] if table[t] in best else
+           fastest_near(timings, sizes, t, best.__contains__) or best[0] for t in sizes}
     left = ", ".join(f"{n} ({copies[n]:g})" for n in used if n not in best)
     return out, (f"routed within max_weight_copies={budget:g}: {', '.join(best)} "
                  f"(the fastest per bucket, {' + '.join(used)}, would hold "
