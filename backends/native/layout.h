@@ -61,6 +61,23 @@ struct Proj {
   const uint8_t* row(int64_t e, int64_t r) const { return base + (e * rows + r) * row_bytes; }
 };
 
+// Where value j of two neighbouring int4 blocks A and B (j < 64) goes in the order their
+// 32 bytes unpack into: the low nibbles give A 0..15, B 0..15, the high ones A 16..31,
+// B 16..31. Both kinds of input of int4 weights are stored in this order (Inputs' pairs of
+// blocks for dots_quant.h, WideInputs for tiles_quant.h). The map is its own inverse.
+inline int64_t int4_slot(int64_t j) { return j < 16 || j >= 48 ? j : (j < 32 ? j + 16 : j - 16); }
+
+// v[lo, hi) on one symmetric int8 scale (max|v| / 127, rounded to nearest even): store(k, q)
+// for each value; returns the scale.
+template <class Store>
+inline float quantize_range(const float* v, int64_t lo, int64_t hi, Store store) {
+  float amax = 0.f;
+  for (int64_t k = lo; k < hi; ++k) amax = std::max(amax, std::fabs(v[k]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t k = lo; k < hi; ++k) store(k, static_cast<int32_t>(std::nearbyint(v[k] * inv)));
+  return amax / 127.f;
+}
+
 // A bf16-weight input element: with AVX512-BF16, bf16 bits in their natural order (vdpbf16ps
 // multiplies bf16 pairs into fp32 sums); on AVX2, fp32, interleaved per kLanes values (evens,
 // then odds) so that a weight vector widened by a shift and a mask meets its inputs.
@@ -129,33 +146,19 @@ struct Inputs {
     }
     const int64_t nb = kp / kBlock;
     for (int64_t b = 0; b < nb; ++b) {
-      const int64_t lo = b * kBlock, hi = std::min(len, lo + kBlock);
-      float amax = 0.f;
-      for (int64_t k = lo; k < hi; ++k) amax = std::max(amax, std::fabs(v[k]));
-      const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      const int64_t lo = b * kBlock;
       int32_t s = 0;
-      int8_t* out = q.data() + i * kp + lo;
-      for (int64_t k = lo; k < hi; ++k) {
-        const int32_t r = static_cast<int32_t>(std::nearbyint(v[k] * inv));
-        out[k - lo] = static_cast<int8_t>(r);
+      int8_t* out = q.data() + i * kp;
+      // int4: each pair of blocks in int4_slot's order (an odd last block stays as it is).
+      const bool slotted = paired && (b | 1) < nb;
+      const float scale = quantize_range(v, lo, std::min(len, lo + kBlock), [&](int64_t k, int32_t r) {
+        out[slotted ? k - k % 64 + int4_slot(k % 64) : k] = static_cast<int8_t>(r);
         s += r;
-      }
+      });
       d[i * nb + b] = scale;
       if (!paired) continue;
       gs[i * groups + b / bpg] += scale * static_cast<float>(s);
       std::fill_n(d4.data() + (i * nb + b) * 4, 4, scale);
-    }
-    if (!paired) return;
-    // Each pair of blocks (A, B) as the int4 pair dot reads it: A 0..15, B 0..15, A 16..31,
-    // B 16..31 (an odd last block stays as it is).
-    int8_t tmp[2 * kBlock];
-    for (int64_t b = 0; b + 1 < nb; b += 2) {
-      int8_t* blk = q.data() + i * kp + b * kBlock;
-      for (int64_t j = 0; j < 16; ++j) {
-        tmp[j] = blk[j], tmp[16 + j] = blk[kBlock + j];
-        tmp[32 + j] = blk[16 + j], tmp[48 + j] = blk[kBlock + 16 + j];
-      }
-      std::copy(tmp, tmp + 2 * kBlock, blk);
     }
   }
 };
@@ -201,10 +204,6 @@ inline Proj make_proj(int64_t fmt, int64_t experts, int64_t rows, at::Tensor q,
   return p;
 }
 
-// The 64 values of a step as the int4 unpack of tiles_quant.h yields them: bytes 0-31 of two
-// blocks (A, B) give A 0..15, B 0..15 (low nibbles), then A 16..31, B 16..31 (high ones).
-inline int64_t int4_slot(int64_t j) { return j < 16 || j >= 48 ? j : (j < 32 ? j + 16 : j - 16); }
-
 // Inputs of the tiles (tiles_quant.h): per group of kGroup values one fp32 scale (amax /
 // 127) and the values q + 128 as bytes (vpdpbusd's unsigned operand), for int4 weights in
 // the order of int4_slot within each 64 values. n == 0: the call does not use the tiles.
@@ -222,15 +221,10 @@ struct WideInputs {
   void set(int64_t i, const float* v, int64_t len) {
     uint8_t* out = q.data() + i * kp;
     for (int64_t g = 0; g < groups; ++g) {
-      const int64_t lo = g * kGroup, hi = std::min(len, lo + kGroup);
-      float amax = 0.f;
-      for (int64_t k = lo; k < hi; ++k) amax = std::max(amax, std::fabs(v[k]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      for (int64_t k = lo; k < hi; ++k) {
-        const int64_t at = int4 ? k - k % 64 + int4_slot(k % 64) : k;
-        out[at] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(v[k] * inv)) + 128);
-      }
-      s[i * groups + g] = amax / 127.f;
+      const int64_t lo = g * kGroup;
+      s[i * groups + g] = quantize_range(v, lo, std::min(len, lo + kGroup), [&](int64_t k, int32_t r) {
+        out[int4 ? k - k % 64 + int4_slot(k % 64) : k] = static_cast<uint8_t>(r + 128);
+      });
     }
   }
   // The scales of the n inputs idx[] side by side, out[g * kTile8 + j] (the rest zero).
