@@ -1,8 +1,12 @@
-"""The native kernel's builds side by side on bf16 weights: the avx512 build (vdpbf16ps) and
-the avx2 build (widening and FMA), with zentorch's op and vLLM's kernel as references.
+"""The native kernel's builds side by side: the avx512 build and the avx2 build, with
+zentorch's op and vLLM's kernel as references. On bf16 weights (the default) the avx512
+build's vdpbf16ps against the avx2 build's widening and FMA; with ``--scheme int8`` (or
+``int4g128``...) the avx512 build's blocks of 16 rows (blocks_quant.h) against the avx2
+build's rows (dots_quant.h), and zentorch's quantized op forced past the copy limit.
 
 Usage:
-    .venv/bin/python benchmarks/bench_native_builds.py [--config C1 C2] [--tokens 1,2,4,8,16] [--reps 9]
+    .venv/bin/python benchmarks/bench_native_builds.py [--config C1 C2] [--tokens 1,2,4,8,16]
+        [--scheme int8] [--reps 9]
 
 Needs a CPU that runs both builds (AVX-512 F/BW/VL/VNNI/BF16). One process: each build is
 chosen per layer with MOE_DISPATCH_NATIVE_ISA, so both are loaded at once; shuffled rounds
@@ -12,9 +16,11 @@ on fresh routing from a pool of 8, a 128 MiB read between calls (cold caches), m
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 
+import attrs
 import torch
 
 import moe_dispatch as md
@@ -23,6 +29,7 @@ from moe_dispatch.testing import random_inputs
 
 from bench_backends import CONFIGS, raw_kernels
 from bench_native import _accepting
+from bench_quant import SCHEMES
 
 BUILDS = ("avx512", "avx2")
 ISA_ENV = "MOE_DISPATCH_NATIVE_ISA"
@@ -32,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", nargs="+", default=["C1", "C2"], choices=sorted(CONFIGS))
     p.add_argument("--tokens", default="1,2,4,8,16")
+    p.add_argument("--scheme", choices=sorted(SCHEMES), default=None,
+                   help="quantize the experts (default: bf16 weights)")
     p.add_argument("--reps", type=int, default=9)
     args = p.parse_args(argv)
     print(f"machine: {md.Capabilities.detect().fingerprint()}, {torch.get_num_threads()} threads\n")
@@ -41,14 +50,20 @@ def main(argv: list[str] | None = None) -> int:
         g = torch.Generator().manual_seed(0)
         w13 = (torch.randn(cfg.w13_shape, generator=g) * 0.05).bfloat16()
         w2 = (torch.randn(cfg.w2_shape, generator=g) * 0.05).bfloat16()
+        weights: tuple = (w13, w2)
+        if args.scheme is not None:
+            cfg = attrs.evolve(cfg, weight_scheme=SCHEMES[args.scheme])
+            weights = (md.quantize_experts(w13.float(), w2.float(), cfg.weight_scheme),)
         fns: dict = {}
         for isa in BUILDS:  # the build is chosen when the layer is prepared
             os.environ[ISA_ENV] = isa
-            fns[f"native {isa}"] = md.MoELayer(cfg, backend="native").load_weights(w13, w2).prepare()
+            fns[f"native {isa}"] = md.MoELayer(cfg, backend="native").load_weights(*weights).prepare()
         del os.environ[ISA_ENV]
-        forced = {n: md.MoELayer(cfg, backend=n).load_weights(w13, w2).prepare()
+        forced = {n: md.MoELayer(cfg, backend=n, max_weight_copies=math.inf)
+                  .load_weights(*weights).prepare()
                   for n in ("zentorch", "vllm") if n in _accepting(cfg)}
-        fns.update(raw_kernels(forced))
+        # The raw ops take float weights only: quantized, the forced layers are the columns.
+        fns.update(raw_kernels(forced) if args.scheme is None else forced)
         names = list(fns)
         print(f"### {cname}: {cfg.describe()}\n")
         print("| T | " + " | ".join(names) + " | avx512 / avx2 | fastest other / avx512 |")

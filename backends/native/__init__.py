@@ -89,7 +89,7 @@ class NativeBackend(md.BackendBase):
         module = kernel.load(isa) if isa is not None else None
         if module is None:
             raise RuntimeError(f"the native kernel is unavailable: {why}")
-        experts = module.Experts(*experts_args(weights.config, weights))
+        experts = module.Experts(*experts_args(weights.config, weights, isa))
         return NativeState(weights.config, experts, module, isa)
 
     def apply(self, state: NativeState, hidden_states: torch.Tensor, topk_weights: torch.Tensor,

@@ -10,6 +10,15 @@ a multiple of 32 (the inputs are zero there too, so the padding adds exactly not
   ``[E, N, K/g]`` and zero points uint8 ``[E, N, K/g]``, or the constant offset 8 when
   symmetric.
 
+The avx512 build takes int8 / int4 weights in blocks of 16 rows instead (``pack_blocked``;
+``blocks_quant.h`` reads them): per block and per 4 values of K, 64 bytes hold the 16 rows'
+4 values (row r's at bytes 4r..4r+3), the layout whose one load feeds a ``vpdpbusd`` for 16
+rows at once. int8 values are stored + 128 (``vpdpbusd``'s unsigned operand); int4 values
+u (0..15) pair two such steps in one 64 bytes, the first in the low nibbles. Scales and zero
+points are ``[E, blocks, G, 16]``. w13's blocks alternate gate and up rows of 16
+intermediate units (block 2j: gate rows of units 16j..16j+15, block 2j + 1: their up rows),
+whatever the canonical row order of the activation; rows past the end are zero padding.
+
 The integers and scales are those of :class:`~moe_dispatch.QuantizedExperts` (and so of a
 GGUF Q8_0 / Q4_0 file), moved, never rounded: the mapping is lossless. Everything here is
 a new tensor, the large ones in huge pages where the OS offers them (the toolkit's
@@ -26,6 +35,7 @@ import torch
 import moe_dispatch as md
 
 BLOCK = 32
+ROWS = 16  # rows per block of the avx512 build's int8 / int4 layout
 FORMATS = {"float": 0, "int8": 1, "int4": 2}
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swigluoai": 3}
 
@@ -79,14 +89,71 @@ def pack_quantized(t: md.QuantizedTensor) -> Packed:
     return Packed(q, t.scales.clone().contiguous(), zeros, g // BLOCK)
 
 
-def experts_args(config: md.MoEConfig, weights: md.LayerWeights) -> tuple[Any, ...]:
-    """The constructor arguments of the kernel's ``Experts`` for this layer."""
+def _blocks(rows: list[int]) -> torch.Tensor:
+    """Canonical row of each blocked row (-1: padding), padded to whole pairs of blocks."""
+    rows = rows + [-1] * (-len(rows) % (2 * ROWS))
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def w13_rows(config: md.MoEConfig) -> torch.Tensor:
+    """w13's blocked row order: per 16 intermediate units, their gate rows, then their up rows."""
+    i = config.intermediate_size
+    oai = str(config.activation) == "swigluoai"  # interleaved: gate u is row 2u, up 2u + 1
+    order: list[int] = []
+    for u0 in range(0, i, ROWS):
+        units = range(u0, u0 + ROWS)
+        order += [(2 * u if oai else u) if u < i else -1 for u in units]
+        order += [(2 * u + 1 if oai else i + u) if u < i else -1 for u in units]
+    return _blocks(order)
+
+
+def _rows_of(t: torch.Tensor, order: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """t's rows (dim -2) in ``order``, zero where it is -1; the last dim padded to width."""
+    *lead, _, k = t.shape
+    out = torch.zeros((*lead, order.numel(), width or k), dtype=t.dtype)
+    valid = order >= 0
+    out[..., valid, :k] = t[..., order[valid], :]
+    return out
+
+
+def pack_blocked(t: md.QuantizedTensor, order: torch.Tensor) -> Packed:
+    """One projection in the avx512 build's blocked layout (module docstring)."""
+    e, _, k = t.shape
+    s, kp, blocks = t.scheme, padded(k), order.numel() // ROWS
+    q = md.kernels.large_zeros((e, blocks, kp * ROWS // (2 if s.bits == 4 else 1)), torch.uint8)
+    for i in range(e):  # one expert at a time: its values widened are 2x-4x its bytes
+        u = _rows_of(t.stored(i, torch.int16), order, kp)
+        # [pairs of blocks, 2, 16 rows, steps, 4] -> [pairs, steps, 2, 16, 4]
+        if s.bits == 8:
+            v = (u + 128).view(blocks // 2, 2, ROWS, kp // 4, 4).permute(0, 3, 1, 2, 4)
+        else:
+            v = u.view(blocks // 2, 2, ROWS, kp // 8, 2, 4)
+            v = (v[..., 0, :] | (v[..., 1, :] << 4)).permute(0, 3, 1, 2, 4)
+        q[i] = v.reshape(blocks, -1).to(torch.uint8)
+
+    def grouped(x: torch.Tensor) -> torch.Tensor:  # [E, N, G] -> [E, blocks, G, 16]
+        g = x.shape[-1]
+        return _rows_of(x, order).view(e, blocks, ROWS, g).transpose(2, 3).contiguous()
+
+    scales = grouped(t.scales.to(torch.float32) if s.group_size is None else t.scales)
+    zeros = None if t.zeros is None else grouped(t.zeros)
+    group = kp if s.group_size is None else s.group_size
+    return Packed(q, scales, zeros, group // BLOCK)
+
+
+def experts_args(config: md.MoEConfig, weights: md.LayerWeights, isa: str) -> tuple[Any, ...]:
+    """The constructor arguments of the kernel's ``Experts`` for this layer and build."""
     q = weights.quantized
+    blocked = q is not None and isa == "avx512"
     if q is None:
         w13, w2 = pack_float(weights.w13), pack_float(weights.w2)
         b13, b2, fmt, offset = weights.w13_bias, weights.w2_bias, "float", 0
     else:
-        w13, w2 = pack_quantized(q.w13), pack_quantized(q.w2)
+        if blocked:
+            w13 = pack_blocked(q.w13, w13_rows(config))
+            w2 = pack_blocked(q.w2, _blocks(list(range(config.hidden_size))))
+        else:
+            w13, w2 = pack_quantized(q.w13), pack_quantized(q.w2)
         b13, b2 = q.w13_bias, q.w2_bias
         fmt = f"int{q.w13.scheme.bits}"
         offset = 8 if q.w13.scheme.bits == 4 else 0  # symmetric int4 stores q + 8
@@ -94,4 +161,4 @@ def experts_args(config: md.MoEConfig, weights: md.LayerWeights) -> tuple[Any, .
     return (FORMATS[fmt], ACTIVATIONS[str(config.activation)], config.num_experts,
             config.hidden_size, config.intermediate_size,
             w13.q, w13.scales, w13.zeros, w13.blocks_per_group,
-            w2.q, w2.scales, w2.zeros, w2.blocks_per_group, offset, bias[0], bias[1])
+            w2.q, w2.scales, w2.zeros, w2.blocks_per_group, offset, bias[0], bias[1], blocked)

@@ -1,12 +1,13 @@
 // The native kernel's building blocks (included by kernel.cpp only): the two-row dot
-// products of each weight format (dots_bf16.h, dots_quant.h, on layout.h; tiles_quant.h above
-// 16 tokens) and the activations (activations.h). kernel.py names every header in the build, so that an edit rebuilds.
+// products of each weight format (dots_bf16.h, dots_quant.h, on layout.h), the avx512
+// build's blocks of int8 / int4 rows (blocks_quant.h) and the activations (activations.h).
+// kernel.py names every header in the build, so that an edit rebuilds.
 
 #pragma once
 
 #include "dots_bf16.h"
 #include "dots_quant.h"
-#include "tiles_quant.h"
+#include "blocks_quant.h"
 #include "activations.h"
 
 namespace moe_dispatch_native {
@@ -41,16 +42,10 @@ inline void row_dot2x2(int64_t fmt, const Proj& p, int64_t e, int64_t r0, int64_
     dot_int8<2>(p, e, r0, r1, in, idx, o);
 }
 
-// Rows r0 and r1 dotted with the n (1..kTile) inputs idx[], o as row_dot2x2 writes it:
-// through the tiles (tiles_quant.h) when the call has wide inputs (sx: their scales from
-// WideInputs::gather), else two at a time. Each input's sums are its own either way, so a
-// token's result never depends on the tokens beside it.
+// Rows r0 and r1 dotted with the n inputs idx[], o as row_dot2x2 writes it, two at a time.
+// Each input's sums are its own, so a token's result never depends on the tokens beside it.
 inline void rows_dots(int64_t fmt, const Proj& p, int64_t e, int64_t r0, int64_t r1,
-                      const Inputs& in, const WideInputs& wide, const int64_t* idx, int64_t n,
-                      const float* sx, float* o) {
-#if MD_AVX512
-  if (wide.n > 0) return tile_rows(fmt, p, e, r0, r1, wide, idx, n, sx, o);
-#endif
+                      const Inputs& in, const int64_t* idx, int64_t n, float* o) {
   for (int64_t q = 0; q < n; q += 2) {
     if (q + 1 < n) row_dot2x2(fmt, p, e, r0, r1, in, idx[q], idx[q + 1], o + 2 * q);
     else row_dot2(fmt, p, e, r0, r1, in, idx[q], o + 2 * q);

@@ -20,8 +20,10 @@
 //      stream each), and adds each pair's weighted contribution. No atomics, no reduction.
 // The intermediate (T*K*2I floats) never leaves the caches.
 //
-// Weight layouts (packed by _pack.py at prepare(); the reduction axis padded to 32 with
-// zeros, which the zero-padded inputs make exact):
+// The avx512 build runs int8 / int4 weights in blocks of 16 rows instead, through the same
+// four steps (forward_blocks.h, blocks_quant.h). The rows' layouts (packed by _pack.py at
+// prepare(); the reduction axis padded to 32 with zeros, which the zero-padded inputs make
+// exact):
 //   bf16: [E, N, Kp] uint16 as stored;
 //   int8: [E, N, Kp] int8; value = q * scale;
 //   int4: [E, N, Kp/2] uint8; in each block of 32 values byte j holds value j in its low
@@ -44,14 +46,11 @@
 #include <moe_dispatch_fast_call.h>
 
 #include "dots.h"
+#include "forward_blocks.h"
 
 namespace {
 
 namespace py = pybind11;
-// Token counts above which int8 / int4 calls use the tiles of tiles_quant.h (avx512 build):
-// at C2 (E=64, K=8, H=2048, I=768) on a Zen 4 int8 T=16 took 9.8 ms in the block-of-32
-// loop and 11.2 in the tiles, T=32 15.3 and 13.2 (int4 g128: 7.0 / 7.8, 17.6 / 10.0).
-constexpr int64_t kLoopTokens = 16;
 constexpr int64_t kChunk = 16;  // row pairs of w2 per chunk of step 4
 using OptTensor = std::optional<at::Tensor>;
 using namespace moe_dispatch_native;
@@ -61,20 +60,33 @@ class Experts {
   Experts(int64_t fmt, int64_t act, int64_t experts, int64_t hidden, int64_t inter,
           at::Tensor w13, OptTensor w13_scales, OptTensor w13_zeros, int64_t w13_bpg,
           at::Tensor w2, OptTensor w2_scales, OptTensor w2_zeros, int64_t w2_bpg,
-          int64_t offset, OptTensor b13, OptTensor b2)
+          int64_t offset, OptTensor b13, OptTensor b2, bool blocked)
       : fmt_(fmt), act_(act), experts_(experts), hidden_(hidden), inter_(inter),
-        b13_(std::move(b13)), b2_(std::move(b2)) {
+        b13_(std::move(b13)), b2_(std::move(b2)), blocked_(blocked) {
     TORCH_CHECK(fmt >= kBf16 && fmt <= kInt4 && act >= kSilu && act <= kSwigluOai, "format/act");
-    w13_ = make_proj(fmt, experts, 2 * inter, std::move(w13), std::move(w13_scales), std::move(w13_zeros), w13_bpg, offset);
-    w2_ = make_proj(fmt, experts, hidden, std::move(w2), std::move(w2_scales), std::move(w2_zeros), w2_bpg, offset);
-    TORCH_CHECK(w13_.kp >= hidden && w2_.kp >= inter, "padded reduction axes");
-#if MD_AVX512
-    tile_prepare(w13_, fmt, experts);
-    tile_prepare(w2_, fmt, experts);
-#endif
     for (const OptTensor* b : {&b13_, &b2_})
       TORCH_CHECK(!b->has_value() || ((*b)->scalar_type() == at::kFloat && (*b)->is_contiguous()),
                   "biases: contiguous float32");
+    if (blocked) {
+#if MD_AVX512
+      TORCH_CHECK(w13_scales.has_value() && w2_scales.has_value(), "blocks: scales");
+      const int64_t hp = (hidden + kBlock - 1) / kBlock * kBlock, ip = (inter + kBlock - 1) / kBlock * kBlock;
+      blocks_.act = act, blocks_.hidden = hidden, blocks_.inter = inter;
+      blocks_.w13 = make_block_proj(fmt, experts, hp, std::move(w13), std::move(*w13_scales), std::move(w13_zeros), w13_bpg, offset);
+      blocks_.w2 = make_block_proj(fmt, experts, ip, std::move(w2), std::move(*w2_scales), std::move(w2_zeros), w2_bpg, offset);
+      const int64_t ub = (inter + kRows - 1) / kRows;
+      TORCH_CHECK(blocks_.w13.blocks == 2 * ub && blocks_.w2.blocks == (hidden + 2 * kRows - 1) / (2 * kRows) * 2,
+                  "blocks: w13 holds gate and up blocks per 16 units, w2 pairs of blocks of 16 columns");
+      blocks_.b13 = b13_ ? b13_->const_data_ptr<float>() : nullptr;
+      blocks_.b2 = b2_ ? b2_->const_data_ptr<float>() : nullptr;
+      return;
+#else
+      TORCH_CHECK(false, "the blocked layout is the avx512 build's");
+#endif
+    }
+    w13_ = make_proj(fmt, experts, 2 * inter, std::move(w13), std::move(w13_scales), std::move(w13_zeros), w13_bpg, offset);
+    w2_ = make_proj(fmt, experts, hidden, std::move(w2), std::move(w2_scales), std::move(w2_zeros), w2_bpg, offset);
+    TORCH_CHECK(w13_.kp >= hidden && w2_.kp >= inter, "padded reduction axes");
   }
 
   // x [T, H] (float32 or bfloat16, contiguous), tw float32 [T, K], ids int32 [T, K].
@@ -85,60 +97,33 @@ class Experts {
     TORCH_CHECK(tw.scalar_type() == at::kFloat && ids.scalar_type() == at::kInt &&
                 tw.is_contiguous() && ids.is_contiguous() && tw.sizes() == ids.sizes() &&
                 ids.dim() == 2 && ids.size(0) == x.size(0), "topk_weights / topk_ids");
-    const int64_t tokens = x.size(0), top_k = ids.size(1), pairs = tokens * top_k;
+    if (x.size(0) == 0) return at::empty_like(x);
+    const Routing r = route(tw, ids, experts_, on_input);
+#if MD_AVX512
+    if (blocked_) return forward_blocks(blocks_, r, x);
+#endif
+    return forward_rows(r, x);
+  }
+
+ private:
+  at::Tensor forward_rows(const Routing& r, const at::Tensor& x) const {
+    const int64_t tokens = r.tokens, top_k = r.top_k, pairs = r.pairs;
     at::Tensor out = at::empty_like(x);
-    if (tokens == 0) return out;
-    const int32_t* id = ids.const_data_ptr<int32_t>();
-    const float* w = tw.const_data_ptr<float>();
-    for (int64_t p = 0; p < pairs; ++p)  // before any weight is read: never out of bounds
-      if (id[p] < 0 || id[p] >= experts_)
-        throw std::out_of_range("topk_id value " + std::to_string(id[p]) + " is outside [0, " +
-                                std::to_string(experts_) + ")");
-    // Pairs grouped by expert (counting sort): expert order, each expert's pairs in order.
-    std::vector<int64_t> start(experts_ + 1, 0), order(pairs);
-    for (int64_t p = 0; p < pairs; ++p) ++start[id[p] + 1];
-    for (int64_t e = 0; e < experts_; ++e) start[e + 1] += start[e];
-    {
-      std::vector<int64_t> fill(start.begin(), start.end() - 1);
-      for (int64_t p = 0; p < pairs; ++p) order[fill[id[p]]++] = p;
-    }
-    std::vector<int64_t> active;  // experts with at least one pair
-    for (int64_t e = 0; e < experts_; ++e)
-      if (start[e + 1] > start[e]) active.push_back(e);
-    // 1. inputs: one per token, or one per pair when the router weight goes on the input;
-    // above kLoopTokens tokens, for the tiles where they apply (int8 / int4, avx512).
-    const bool wide = w13_.unit > 0 && w2_.unit > 0 && tokens > kLoopTokens;
+    // 1. inputs: one per token, or one per pair when the router weight goes on the input.
+    // bf16 vectors are not filled in parallel (their remainder vector is allocated lazily).
     Inputs xin;
-    WideInputs xw;
-    const int64_t sources = on_input ? pairs : tokens;
-    if (wide) xw.init(sources, w13_.kp, fmt_ == kInt4);
-    else xin.init(sources, w13_.kp, static_cast<Format>(fmt_), w13_.bpg);
-    {
-      at::Tensor xf = x.to(at::kFloat).contiguous();
-      const float* xs = xf.const_data_ptr<float>();
-      // Vectors in parallel, but not bf16 ones (their remainder vector is allocated lazily).
-      at::parallel_for(0, sources, fmt_ == kBf16 ? sources : 16, [&](int64_t lo, int64_t hi) {
-        std::vector<float> row(hidden_);
-        for (int64_t s = lo; s < hi; ++s) {
-          const int64_t t = on_input ? s / top_k : s;
-          const float scale = on_input ? w[s] : 1.f;
-          for (int64_t h = 0; h < hidden_; ++h) row[h] = xs[t * hidden_ + h] * scale;
-          if (wide) xw.set(s, row.data(), hidden_);
-          else xin.set(s, row.data(), hidden_);
-        }
-      });
-    }
-    auto source = [&](int64_t p) { return on_input ? p : p / top_k; };
+    xin.init(r.sources(), w13_.kp, static_cast<Format>(fmt_), w13_.bpg);
+    each_input(r, x, hidden_, fmt_ == kBf16 ? r.sources() : 16,
+               [&](int64_t s, const float* v) { xin.set(s, v, hidden_); });
     // 2. w13 and the activation, per (active expert, block of units).
     const int64_t ip = w2_.kp, blocks = (inter_ + kUnits - 1) / kUnits;
     std::vector<float> act(pairs * ip, 0.f);
     const float* b13 = b13_ ? b13_->const_data_ptr<float>() : nullptr;
-    at::parallel_for(0, static_cast<int64_t>(active.size()) * blocks, 1, [&](int64_t lo, int64_t hi) {
+    at::parallel_for(0, static_cast<int64_t>(r.active.size()) * blocks, 1, [&](int64_t lo, int64_t hi) {
       std::vector<float> gate, up;  // [pairs of the expert, kUnits]
-      std::vector<float> sx(xw.groups * kTile8);  // a tile's input scales (wide inputs)
       for (int64_t item = lo; item < hi; ++item) {
-        const int64_t e = active[item / blocks], u0 = (item % blocks) * kUnits;
-        const int64_t u1 = std::min(inter_, u0 + kUnits), n = start[e + 1] - start[e];
+        const int64_t e = r.active[item / blocks], u0 = (item % blocks) * kUnits;
+        const int64_t u1 = std::min(inter_, u0 + kUnits), n = r.start[e + 1] - r.start[e];
         gate.resize(n * kUnits);
         up.resize(n * kUnits);
         // The expert's pairs kTile at a time, each tile's inputs reused from L1 by the
@@ -146,15 +131,14 @@ class Experts {
         for (int64_t j = 0; j < n; j += kTile) {
           const int64_t m = std::min(kTile, n - j);
           int64_t idx[kTile];
-          for (int64_t q = 0; q < m; ++q) idx[q] = source(order[start[e] + j + q]);
-          if (wide) xw.gather(idx, m, sx.data());
+          for (int64_t q = 0; q < m; ++q) idx[q] = r.source(r.order[r.start[e] + j + q]);
           for (int64_t u = u0; u < u1; ++u) {
             // Canonical rows: gate u and up I + u; interleaved (swigluoai): 2u and 2u + 1.
             const int64_t rg = act_ == kSwigluOai ? 2 * u : u;
             const int64_t ru = act_ == kSwigluOai ? 2 * u + 1 : inter_ + u;
             const float bg = b13 ? b13[e * 2 * inter_ + rg] : 0.f, bu = b13 ? b13[e * 2 * inter_ + ru] : 0.f;
             float o[2 * kTile];
-            rows_dots(fmt_, w13_, e, rg, ru, xin, xw, idx, m, sx.data(), o);
+            rows_dots(fmt_, w13_, e, rg, ru, xin, idx, m, o);
             for (int64_t q = 0; q < m; ++q) {
               gate[(j + q) * kUnits + u - u0] = o[2 * q] + bg;
               up[(j + q) * kUnits + u - u0] = o[2 * q + 1] + bu;
@@ -162,35 +146,26 @@ class Experts {
           }
         }
         for (int64_t j = 0; j < n; ++j) {
-          float* a = act.data() + order[start[e] + j] * ip;
+          float* a = act.data() + r.order[r.start[e] + j] * ip;
           activate_units(act_, gate.data() + j * kUnits, up.data() + j * kUnits, a + u0, u1 - u0);
         }
       }
     });
     // 3. the activated values in the dot product's layout.
     Inputs ain;
-    WideInputs aw;
-    if (wide) aw.init(pairs, ip, fmt_ == kInt4);
-    else ain.init(pairs, ip, static_cast<Format>(fmt_), w2_.bpg);
+    ain.init(pairs, ip, static_cast<Format>(fmt_), w2_.bpg);
     at::parallel_for(0, pairs, fmt_ == kBf16 ? pairs : 16, [&](int64_t lo, int64_t hi) {
-      for (int64_t p = lo; p < hi; ++p) {
-        if (wide) aw.set(p, act.data() + p * ip, inter_);
-        else ain.set(p, act.data() + p * ip, inter_);
-      }
+      for (int64_t p = lo; p < hi; ++p) ain.set(p, act.data() + p * ip, inter_);
     });
     // 4. w2 and the weighted combine, per block of output columns (each thread owns its own).
     const int64_t cols = (hidden_ + kCols - 1) / kCols;
     const float* b2 = b2_ ? b2_->const_data_ptr<float>() : nullptr;
-    const bool bf16_out = x.scalar_type() == at::kBFloat16;
-    at::BFloat16* out16 = bf16_out ? out.data_ptr<at::BFloat16>() : nullptr;
-    float* out32 = bf16_out ? nullptr : out.data_ptr<float>();
     at::parallel_for(0, cols, 1, [&](int64_t lo, int64_t hi) {
       // This thread's columns [h0, h1): expert by expert, so that each expert's rows are
       // one contiguous stream (h1 - h0 rows of w2[e]) for the prefetcher.
       const int64_t h0 = lo * kCols, h1 = std::min(hidden_, hi * kCols), width = h1 - h0;
       std::vector<float> acc(tokens * width, 0.f);
-      std::vector<float> sx(aw.groups * kTile8);  // a tile's input scales (wide inputs)
-      for (const int64_t e : active) {
+      for (const int64_t e : r.active) {
         // Two rows at once, h and h + half: two streams per thread, as in step 2 (the
         // middle row of an odd range is computed twice and kept once).
         const int64_t half = (width + 1) / 2;
@@ -198,17 +173,16 @@ class Experts {
         // the expert's pairs kTile at a time (in L1); each output still sums its pairs in order.
         for (int64_t c0 = h0; c0 < h0 + half; c0 += kChunk) {
           const int64_t c1 = std::min(h0 + half, c0 + kChunk);
-          for (int64_t slot = start[e]; slot < start[e + 1]; slot += kTile) {
-            const int64_t m = std::min(kTile, start[e + 1] - slot);
-            if (wide) aw.gather(order.data() + slot, m, sx.data());
+          for (int64_t slot = r.start[e]; slot < r.start[e + 1]; slot += kTile) {
+            const int64_t m = std::min(kTile, r.start[e + 1] - slot);
             for (int64_t h = c0; h < c1; ++h) {
               const int64_t h2 = h + half < h1 ? h + half : h;
               const float bias0 = b2 ? b2[e * hidden_ + h] : 0.f, bias1 = b2 ? b2[e * hidden_ + h2] : 0.f;
               float o[2 * kTile];
-              rows_dots(fmt_, w2_, e, h, h2, ain, aw, order.data() + slot, m, sx.data(), o);
+              rows_dots(fmt_, w2_, e, h, h2, ain, r.order.data() + slot, m, o);
               for (int64_t q = 0; q < m; ++q) {
-                const int64_t p = order[slot + q];
-                const float scale = on_input ? 1.f : w[p];
+                const int64_t p = r.order[slot + q];
+                const float scale = r.on_input ? 1.f : r.w[p];
                 float* a = acc.data() + (p / top_k) * width - h0;
                 a[h] += scale * (o[2 * q] + bias0);
                 if (h2 != h) a[h2] += scale * (o[2 * q + 1] + bias1);
@@ -217,21 +191,18 @@ class Experts {
           }
         }
       }
-      for (int64_t t = 0; t < tokens; ++t) {
-        for (int64_t h = h0; h < h1; ++h) {
-          const float v = acc[t * width + (h - h0)];
-          if (out16) out16[t * hidden_ + h] = at::BFloat16(v);
-          else out32[t * hidden_ + h] = v;
-        }
-      }
+      store_columns(acc, out, h0, h1);
     });
     return out;
   }
 
- private:
   int64_t fmt_, act_, experts_, hidden_, inter_;
   Proj w13_, w2_;
   OptTensor b13_, b2_;
+  bool blocked_;
+#if MD_AVX512
+  BlockLayer blocks_;
+#endif
 };
 
 // The layer's plain calls (BackendBase.fast_call): the toolkit's checks, then forward.
@@ -269,7 +240,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Experts, std::shared_ptr<Experts>>(m, "Experts")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, at::Tensor, OptTensor, OptTensor,
                     int64_t, at::Tensor, OptTensor, OptTensor, int64_t, int64_t, OptTensor,
-                    OptTensor>())
+                    OptTensor, bool>())
       .def("forward", &Experts::forward, py::call_guard<py::gil_scoped_release>());
   py::class_<FastCall>(m, "FastCall")
       .def(py::init<std::shared_ptr<Experts>, bool, int64_t, int64_t, int64_t, at::ScalarType,

@@ -34,9 +34,7 @@ enum Act : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2, kSwigluOai = 3 };
 constexpr int64_t kBlock = 32;  // values per quantization block
 constexpr int64_t kUnits = 16;  // intermediate units per work item of step 2
 constexpr int64_t kCols = 16;   // output columns per work item of step 4
-constexpr int64_t kTile = 6;    // inputs per call of rows_dots (dots.h)
-constexpr int64_t kGroup = 128; // values per input scale of the wide inputs (tiles_quant.h)
-constexpr int64_t kTile8 = 8;   // a tile's inputs' scales per group, padded to a vector
+constexpr int64_t kTile = 6;    // inputs per call of blocks_dots (blocks_quant.h)
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -54,17 +52,13 @@ struct Proj {
   const uint16_t* s16 = nullptr;
   const uint8_t* z = nullptr;
   int64_t rows = 0, kp = 0, row_bytes = 0, groups = 1, bpg = 1, offset = 0;
-  // The tiles of tiles_quant.h (avx512, int8 / int4): values per scaled int32 sum (0: the
-  // tiles do not apply) and each unit's sum of weights, [E, rows, units].
-  int64_t unit = 0;
-  std::vector<int16_t> wsum;
   const uint8_t* row(int64_t e, int64_t r) const { return base + (e * rows + r) * row_bytes; }
 };
 
 // Where value j of two neighbouring int4 blocks A and B (j < 64) goes in the order their
 // 32 bytes unpack into: the low nibbles give A 0..15, B 0..15, the high ones A 16..31,
-// B 16..31. Both kinds of input of int4 weights are stored in this order (Inputs' pairs of
-// blocks for dots_quant.h, WideInputs for tiles_quant.h). The map is its own inverse.
+// B 16..31. Inputs' pairs of blocks for int4 weights are stored in this order. The map is
+// its own inverse.
 inline int64_t int4_slot(int64_t j) { return j < 16 || j >= 48 ? j : (j < 32 ? j + 16 : j - 16); }
 
 // v[lo, hi) on one symmetric int8 scale (max|v| / 127, rounded to nearest even): store(k, q)
@@ -203,36 +197,6 @@ inline Proj make_proj(int64_t fmt, int64_t experts, int64_t rows, at::Tensor q,
   p.offset = offset;
   return p;
 }
-
-// Inputs of the tiles (tiles_quant.h): per group of kGroup values one fp32 scale (amax /
-// 127) and the values q + 128 as bytes (vpdpbusd's unsigned operand), for int4 weights in
-// the order of int4_slot within each 64 values. n == 0: the call does not use the tiles.
-struct WideInputs {
-  int64_t n = 0, kp = 0, groups = 0;
-  bool int4 = false;
-  std::vector<uint8_t> q;  // [n, kp]
-  std::vector<float> s;    // [n, groups]
-  void init(int64_t n_, int64_t kp_, bool int4_) {
-    n = n_, kp = kp_, int4 = int4_, groups = (kp + kGroup - 1) / kGroup;
-    q.assign(n * kp, 128);
-    s.assign(n * groups, 0.f);
-  }
-  // Fill vector i from len fp32 values (the rest of kp stays zero, stored as 128).
-  void set(int64_t i, const float* v, int64_t len) {
-    uint8_t* out = q.data() + i * kp;
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t lo = g * kGroup;
-      s[i * groups + g] = quantize_range(v, lo, std::min(len, lo + kGroup), [&](int64_t k, int32_t r) {
-        out[int4 ? k - k % 64 + int4_slot(k % 64) : k] = static_cast<uint8_t>(r + 128);
-      });
-    }
-  }
-  // The scales of the n inputs idx[] side by side, out[g * kTile8 + j] (the rest zero).
-  void gather(const int64_t* idx, int64_t n_, float* out) const {
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t j = 0; j < kTile8; ++j) out[g * kTile8 + j] = j < n_ ? s[idx[j] * groups + g] : 0.f;
-  }
-};
 
 // Software prefetch this far ahead of each row's stream: with two rows at once (two
 // streams, one shared input) it lifts 2-core streaming on a Zen 1 from 16 to 22 GB/s

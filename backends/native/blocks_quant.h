@@ -1,0 +1,230 @@
+// int8 / int4 weights in the avx512 build: blocks of 16 rows (_pack.py's pack_blocked), so
+// that one 64-byte load holds 4 values of each of 16 rows and one vpdpbusd multiplies them by
+// 4 values of one input broadcast to every lane: each int32 lane is one row's dot product,
+// and a block's 16 sums come out as one vector.
+//
+// Why this layout and not a row's values side by side (dots_quant.h, the avx2 build): with
+// rows side by side each lane holds part of one (row, input) dot product, so every sum that
+// must be scaled in fp32 (per block of inputs' values, and per weight group) costs a convert
+// and an FMA per vpdpbusd or two, on the pipes vpdpbusd needs (measured on one Zen 4 core:
+// vpdpbusd alone ~210 GMAC/s, halved by scaling per 64 values). Here a unit of 128 values is
+// 32 vpdpbusd per (block, input) and one convert and FMA scale them.
+//
+// vpdpbusd multiplies unsigned by signed bytes: the weights are the unsigned operand (int8
+// stored + 128, int4 as u in 0..15) and the inputs signed int8, quantized per group of
+// values with one fp32 scale (amax / 127). So each unit's int32 sum carries
+// off x sum(inputs) (off: 128, or int4's constant offset) or zero x sum(inputs) with zero
+// points: the inputs' sums per unit (BlockInputs.sum) start each sum, negated, and the
+// result is the exact integer dot product of the signed weights and the inputs.
+
+#pragma once
+
+#include "layout.h"
+
+namespace moe_dispatch_native {
+
+#if MD_AVX512
+
+constexpr int64_t kRows = 16;       // rows per block (one int32 lane each)
+constexpr int64_t kWideGroup = 128; // values per input scale above kLoopTokens tokens
+constexpr int64_t kNarrowGroup = 32;// values per input scale up to kLoopTokens tokens
+
+// One projection in blocks: q [E, blocks, Kp * 16] (int4: Kp * 8) bytes, scales fp32 or fp16
+// and zero points uint8 [E, blocks, groups, 16].
+struct BlockProj {
+  at::Tensor q, scales, zeros;
+  const uint8_t* base = nullptr;
+  const float* s32 = nullptr;
+  const uint16_t* s16 = nullptr;
+  const uint8_t* z = nullptr;
+  int64_t blocks = 0, kp = 0, groups = 1, group = 0, off = 0, block_bytes = 0;
+  bool int4 = false;
+  const uint8_t* block(int64_t e, int64_t b) const { return base + (e * blocks + b) * block_bytes; }
+  int64_t at(int64_t e, int64_t b, int64_t g) const { return ((e * blocks + b) * groups + g) * kRows; }
+  __m512 scale(int64_t e, int64_t b, int64_t g) const {
+    const int64_t i = at(e, b, g);
+    return s16 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16 + i)))
+               : _mm512_loadu_ps(s32 + i);
+  }
+  __m512i zero(int64_t e, int64_t b, int64_t g) const {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z + at(e, b, g))));
+  }
+};
+
+inline BlockProj make_block_proj(int64_t fmt, int64_t experts, int64_t kp, at::Tensor q,
+                                 at::Tensor scales, std::optional<at::Tensor> zeros,
+                                 int64_t bpg, int64_t offset) {
+  BlockProj p;
+  p.int4 = fmt == kInt4;
+  TORCH_CHECK(fmt == kInt8 || fmt == kInt4, "blocks: int8 or int4 weights");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kByte && q.size(0) == experts,
+              "blocked weights [E, blocks, bytes] uint8");
+  TORCH_CHECK(kp % kBlock == 0 && q.size(2) == kp * kRows / (p.int4 ? 2 : 1), "blocked weights' width");
+  TORCH_CHECK(q.size(1) % 2 == 0, "blocks in pairs");
+  p.blocks = q.size(1), p.kp = kp, p.block_bytes = q.size(2), p.group = bpg * kBlock;
+  p.groups = (kp + p.group - 1) / p.group;
+  TORCH_CHECK(p.group >= kBlock && (p.group >= kp || (p.group & (p.group - 1)) == 0),
+              "weight groups: per row, or a power of two of at least 32 values");
+  TORCH_CHECK(scales.dim() == 4 && scales.is_contiguous() && scales.size(0) == experts &&
+              scales.size(1) == p.blocks && scales.size(2) == p.groups && scales.size(3) == kRows,
+              "blocked scales [E, blocks, groups, 16]");
+  if (scales.scalar_type() == at::kHalf)
+    p.s16 = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>());
+  else if (scales.scalar_type() == at::kFloat)
+    p.s32 = scales.const_data_ptr<float>();
+  else
+    TORCH_CHECK(false, "scales fp16 or fp32");
+  if (zeros.has_value()) {
+    TORCH_CHECK(p.int4 && zeros->scalar_type() == at::kByte && zeros->sizes() == scales.sizes() &&
+                zeros->is_contiguous(), "zeros uint8 like scales (int4)");
+    p.zeros = *zeros;
+    p.z = p.zeros.const_data_ptr<uint8_t>();
+  }
+  p.off = p.int4 ? offset : 128;
+  p.scales = std::move(scales);
+  p.q = std::move(q);
+  p.base = p.q.const_data_ptr<uint8_t>();
+  return p;
+}
+
+// Inputs of the blocks: int8 values (natural order), per group of `group` values one fp32
+// scale, per unit of `unit` values the sum of the values (the offset's term). The unit
+// divides the group or is the whole row (BlockProj::unit_for).
+struct BlockInputs {
+  int64_t n = 0, kp = 0, group = 0, unit = 0, groups = 0, units = 0;
+  std::vector<int8_t> q;   // [n, kp]
+  std::vector<float> s;    // [n, groups]
+  std::vector<int32_t> sum;  // [n, units]
+  void init(int64_t n_, int64_t kp_, int64_t group_, int64_t unit_) {
+    n = n_, kp = kp_, group = group_, unit = unit_;
+    groups = (kp + group - 1) / group, units = (kp + unit - 1) / unit;
+    q.assign(n * kp, 0);
+    s.assign(n * groups, 0.f);
+    sum.assign(n * units, 0);
+  }
+  // Fill vector i from len fp32 values (the rest of kp stays zero).
+  void set(int64_t i, const float* v, int64_t len) {
+    int8_t* out = q.data() + i * kp;
+    int32_t* su = sum.data() + i * units;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t lo = g * group;
+      s[i * groups + g] = quantize_range(v, lo, std::min(len, lo + group), [&](int64_t k, int32_t r) {
+        out[k] = static_cast<int8_t>(r);
+        su[k / unit] += r;
+      });
+    }
+  }
+};
+
+// The unit of a projection's sums for inputs quantized per `group` values: no unit straddles
+// an input group or a weight group (both powers of two, or the weight group is the row).
+inline int64_t unit_for(const BlockProj& p, int64_t group) {
+  return std::min({group, p.group, p.kp});
+}
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+// Blocks b0 .. b0 + R - 1 of expert e dotted with the N inputs idx[], into
+// o[(r * N + n) * 16 + lane] (fp32, scaled). Inlined loops with constant trip counts keep
+// the R x N sums in registers.
+template <int R, int N, bool kInt4>
+void block_dots(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in,
+                const int64_t* idx, float* o) {
+  const int8_t* x[N];
+  const uint8_t* w[R];
+#pragma GCC unroll 6
+  for (int n = 0; n < N; ++n) x[n] = in.q.data() + idx[n] * in.kp;
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r) w[r] = p.block(e, b0) + r * 64;  // the pair's blocks interleave
+  __m512 f[R][N];
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 6
+    for (int n = 0; n < N; ++n) f[r][n] = _mm512_setzero_ps();
+  const bool per_row = p.group >= p.kp;
+  for (int64_t u = 0; u < in.units; ++u) {
+    const int64_t k0 = u * in.unit, k1 = std::min(p.kp, k0 + in.unit), g = k0 / p.group;
+    __m512i a[R][N];
+#pragma GCC unroll 6
+    for (int n = 0; n < N; ++n) {
+      const int32_t xsum = in.sum[idx[n] * in.units + u];
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r)
+        a[r][n] = p.z ? _mm512_mullo_epi32(p.zero(e, b0 + r, g), _mm512_set1_epi32(-xsum))
+                      : _mm512_set1_epi32(static_cast<int32_t>(-p.off * xsum));
+    }
+    if constexpr (kInt4) {
+#pragma GCC unroll 2
+      for (int64_t k = k0; k < k1; k += 8) {  // two steps per 64 bytes: low nibbles, high
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) {
+          const __m512i v = _mm512_loadu_si512(w[r] + k * 16);
+          const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+#pragma GCC unroll 6
+          for (int n = 0; n < N; ++n) {
+            a[r][n] = _mm512_dpbusd_epi32(a[r][n], lo, bcast4(x[n] + k));
+            a[r][n] = _mm512_dpbusd_epi32(a[r][n], hi, bcast4(x[n] + k + 4));
+          }
+        }
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int64_t k = k0; k < k1; k += 4) {
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) {
+          const __m512i v = _mm512_loadu_si512(w[r] + k * 32);
+#pragma GCC unroll 6
+          for (int n = 0; n < N; ++n) a[r][n] = _mm512_dpbusd_epi32(a[r][n], v, bcast4(x[n] + k));
+        }
+      }
+    }
+    // Scaled once per unit: by the input's scale, and with weight groups by the rows'
+    // scales too (a per-row scale is applied once, after the units).
+    const int64_t ag = k0 / in.group;
+    __m512 ws[R];
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) ws[r] = per_row ? _mm512_set1_ps(1.f) : p.scale(e, b0 + r, g);
+#pragma GCC unroll 6
+    for (int n = 0; n < N; ++n) {
+      const __m512 xs = _mm512_set1_ps(in.s[idx[n] * in.groups + ag]);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r)
+        f[r][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][n]), _mm512_mul_ps(ws[r], xs), f[r][n]);
+    }
+  }
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r) {
+    const __m512 rs = per_row ? p.scale(e, b0 + r, 0) : _mm512_set1_ps(1.f);
+#pragma GCC unroll 6
+    for (int n = 0; n < N; ++n) _mm512_storeu_ps(o + (r * N + n) * kRows, _mm512_mul_ps(f[r][n], rs));
+  }
+}
+
+template <int R, bool kInt4>
+inline void block_dots_n(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in,
+                         const int64_t* idx, int64_t n, float* o) {
+  switch (n) {
+    case 1: return block_dots<R, 1, kInt4>(p, e, b0, in, idx, o);
+    case 2: return block_dots<R, 2, kInt4>(p, e, b0, in, idx, o);
+    case 3: return block_dots<R, 3, kInt4>(p, e, b0, in, idx, o);
+    case 4: return block_dots<R, 4, kInt4>(p, e, b0, in, idx, o);
+    case 5: return block_dots<R, 5, kInt4>(p, e, b0, in, idx, o);
+    default: return block_dots<R, 6, kInt4>(p, e, b0, in, idx, o);
+  }
+}
+
+// The pair of blocks b0, b0 + 1 (b0 even) with n (1..kTile) inputs: o[(r * n + q) * 16 + lane].
+inline void pair_dots(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in,
+                      const int64_t* idx, int64_t n, float* o) {
+  if (p.int4) block_dots_n<2, true>(p, e, b0, in, idx, n, o);
+  else block_dots_n<2, false>(p, e, b0, in, idx, n, o);
+}
+
+#endif  // MD_AVX512
+
+}  // namespace moe_dispatch_native
