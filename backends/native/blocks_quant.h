@@ -102,17 +102,37 @@ struct BlockInputs {
     s.assign(n * groups, 0.f);
     sum.assign(n * units, 0);
   }
-  // Fill vector i from len fp32 values (the rest of kp stays zero).
+  // Fill vector i from len fp32 values (the rest of kp stays zero): quantize_range's values
+  // (amax / 127, round to nearest even), 16 at a time (scalar, this was a tenth of C1's
+  // time at T=512).
   void set(int64_t i, const float* v, int64_t len) {
     int8_t* out = q.data() + i * kp;
     int32_t* su = sum.data() + i * units;
     for (int64_t g = 0; g < groups; ++g) {
-      const int64_t lo = g * group;
-      s[i * groups + g] = quantize_range(v, lo, std::min(len, lo + group), [&](int64_t k, int32_t r) {
-        out[k] = static_cast<int8_t>(r);
-        su[k / unit] += r;
-      });
+      const int64_t lo = g * group, hi = std::min(len, lo + group);
+      if (hi <= lo) break;
+      __m512 m = _mm512_setzero_ps();
+      for (int64_t k = lo; k < hi; k += 16)
+        m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail(k, hi), v + k)));
+      const float amax = _mm512_reduce_max_ps(m);
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      s[i * groups + g] = amax / 127.f;
+      for (int64_t u0 = lo; u0 < hi; u0 += unit) {  // units nest in groups (unit_for)
+        __m512i acc = _mm512_setzero_si512();
+        for (int64_t k = u0; k < std::min(hi, u0 + unit); k += 16) {
+          const __mmask16 mk = tail(k, hi);
+          const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, v + k), inv));
+          _mm512_mask_cvtepi32_storeu_epi8(out + k, mk, r);
+          acc = _mm512_add_epi32(acc, r);
+        }
+        su[u0 / unit] = _mm512_reduce_add_epi32(acc);
+      }
     }
+  }
+
+ private:
+  static __mmask16 tail(int64_t k, int64_t hi) {
+    return hi - k >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (hi - k)) - 1);
   }
 };
 
