@@ -1,0 +1,123 @@
+"""The avx512 build's int8 / int4 path (backends/native/blocks_quant.h, forward_blocks.h):
+pairs of 16-row blocks, inputs quantized per 32 values up to 16 tokens and per 128 above,
+against the float64 reference on the dequantized weights, on every build this CPU runs (the
+avx2 build keeps its rows: the same calls take its loop there, and must hold the same
+bound); and the blocked layout itself, unpacked back to the canonical values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import moe_dispatch as md
+from moe_dispatch.testing import random_routing, random_weights, thread_disagreements
+from moe_dispatch_backends.native import _pack
+
+from test_native_backend import _cfg, _check, _layer, build  # noqa: F401  (build: a fixture)
+
+INT8, INT8_G32 = md.QuantScheme("int8"), md.QuantScheme("int8", group_size=32)
+INT4_G32, INT4_G128 = md.QuantScheme("int4", group_size=32), md.QuantScheme("int4", group_size=128)
+INT4_G64_ZP = md.QuantScheme("int4", group_size=64, symmetric=False)
+INT4_G128_ZP = md.QuantScheme("int4", group_size=128, symmetric=False)
+# (scheme, H, I): units of 128 with a shorter last one (K % 128 != 0), units of a weight
+# group smaller than the inputs' (g32, g64), per-channel rows padded to 32 (H=200, I=96),
+# row counts that leave padding rows in a block (I=40: w13's last 16 units; H=200 or 96:
+# w2's last pair of blocks).
+SHAPES = [(INT8, 256, 128), (INT8, 192, 320), (INT8, 200, 40), (INT8_G32, 96, 160),
+          (INT4_G32, 256, 96), (INT4_G128, 256, 384), (INT4_G64_ZP, 192, 320),
+          (INT4_G128_ZP, 384, 128)]
+
+
+def _ids(v):
+    return v.describe() if isinstance(v, md.QuantScheme) else str(v)
+
+
+@pytest.mark.parametrize("scheme,h,i", SHAPES, ids=_ids)
+@pytest.mark.parametrize("activation", list(md.Activation), ids=str)
+def test_every_activation_within_the_bound_both_sides_of_sixteen_tokens(build, scheme, h, i, activation):
+    for on_input, top_k, bias in ((False, 2, True), (True, 1, False)):
+        cfg = _cfg(scheme, hidden_size=h, intermediate_size=i, activation=activation, top_k=top_k,
+                   apply_router_weight_on_input=on_input, has_bias=bias)
+        layer, ref_w, _ = _layer(cfg)
+        # 1 and 16: inputs per 32 values; 17 and 64 (over 8 experts: full tiles of six
+        # and a remainder): per 128.
+        for tokens in (1, 16, 17, 64):
+            _check(layer, cfg, ref_w, tokens, seed=tokens)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_hypothesis_shapes_and_token_counts(build, data):
+    scheme = data.draw(st.sampled_from([s for s, _, _ in SHAPES]))
+    step = scheme.group_size or 32
+    h, i = step * data.draw(st.integers(1, 8)), step * data.draw(st.integers(1, 8))
+    experts, on_input = data.draw(st.integers(1, 12)), data.draw(st.booleans())
+    cfg = md.MoEConfig(experts, 1 if on_input else data.draw(st.integers(1, min(4, experts))), h, i,
+                       activation=data.draw(st.sampled_from(list(md.Activation))),
+                       dtype=data.draw(st.sampled_from([torch.bfloat16, torch.float32])),
+                       weight_scheme=scheme, has_bias=data.draw(st.booleans()),
+                       apply_router_weight_on_input=on_input)
+    layer, ref_w, _ = _layer(cfg, seed=data.draw(st.integers(0, 1000)))
+    _check(layer, cfg, ref_w, data.draw(st.integers(1, 80)))
+
+
+@pytest.mark.parametrize("tokens", [8, 40])
+@pytest.mark.parametrize("scheme", [INT8, INT4_G128_ZP], ids=_ids)
+def test_a_tokens_result_does_not_depend_on_its_tile(build, scheme, tokens):
+    """Each token's sums are its own (a tile shares weight loads, not sums): the same tokens
+    in another order, so in other tiles, give the same rows bit for bit."""
+    cfg = _cfg(scheme, has_bias=True)
+    layer, _, _ = _layer(cfg)
+    x, tw, ids = random_routing(cfg, tokens, seed=5)
+    batch = layer(x, tw, ids)
+    perm = torch.randperm(tokens, generator=torch.Generator().manual_seed(1))
+    again = layer(x[perm].contiguous(), tw[perm].contiguous(), ids[perm].contiguous())
+    assert torch.equal(batch[perm], again)
+
+
+def test_eight_threads_agree_with_the_serial_result(build):
+    cfg = _cfg(INT4_G128)
+    layer, _, _ = _layer(cfg)
+    inputs = [random_routing(cfg, t, seed=t) for t in (1, 7, 17, 24, 40)]
+    assert thread_disagreements(layer, inputs) == []
+
+
+# -- the layout (no kernel: everywhere) ----------------------------------------------------
+def _unblock(p: _pack.Packed, bits: int, e: int, rows: int, kp: int) -> torch.Tensor:
+    """The blocked bytes back to [E, rows, Kp] values (int8: signed; int4: u in 0..15)."""
+    q = p.q.view(e, rows // 32, -1)
+    if bits == 8:  # [pairs, steps, 2, 16, 4] -> [pairs, 2, 16, steps, 4]
+        v = q.view(e, rows // 32, kp // 4, 2, 16, 4).permute(0, 1, 3, 4, 2, 5).to(torch.int16) - 128
+        return v.reshape(e, rows, kp)
+    b = q.view(e, rows // 32, kp // 8, 2, 16, 4).permute(0, 1, 3, 4, 2, 5).to(torch.int16)
+    return torch.stack((b & 15, b >> 4), dim=-2).reshape(e, rows, kp)
+
+
+# Per channel: padding rows in w13's last 16 units (I=40) and w2's last pair of blocks
+# (H=200), and K padded to 32; with groups, H and I are multiples of the group.
+@pytest.mark.parametrize("scheme,h,i", [(INT8, 200, 40), (INT8_G32, 224, 96), (INT4_G32, 224, 96),
+                                        (INT4_G64_ZP, 192, 128)], ids=_ids)
+@pytest.mark.parametrize("activation", [md.Activation.SILU, md.Activation.SWIGLUOAI], ids=str)
+def test_the_blocked_layout_holds_the_canonical_values_scales_and_zeros(scheme, h, i, activation):
+    cfg = md.MoEConfig(3, 2, h, i, activation=activation, dtype=torch.bfloat16, weight_scheme=scheme)
+    w = random_weights(cfg, seed=3)
+    qe = md.quantize_experts(w["w13"].float(), w["w2"].float(), scheme)
+    for t, order in ((qe.w13, _pack.w13_rows(cfg)), (qe.w2, _pack._blocks(list(range(h))))):
+        e, _, k = t.shape
+        p = _pack.pack_blocked(t, order)
+        kp, rows, valid = _pack.padded(k), order.numel(), order >= 0
+        values = _unblock(p, scheme.bits, e, rows, kp)
+        assert torch.equal(values[:, valid, :k], t.stored(None, torch.int16)[:, order[valid]])
+        assert not values[:, valid, k:].any()  # the padding of K is zero (int8 + 128 - 128)
+        g = p.scales.shape[2]
+        scales = p.scales.transpose(2, 3).reshape(e, rows, g)
+        assert torch.equal(scales[:, valid], t.scales.to(scales.dtype)[:, order[valid]])
+        assert not scales[:, ~valid].any()  # padding rows: zero scales
+        if t.zeros is not None:
+            assert torch.equal(p.zeros.transpose(2, 3).reshape(e, rows, g)[:, valid], t.zeros[:, order[valid]])
+    gate_up = _pack.w13_rows(cfg)[:32].tolist()  # units 0..15: gate rows, then up rows
+    oai = activation is md.Activation.SWIGLUOAI
+    assert gate_up[:16] == [2 * u if oai else u for u in range(16)]
+    assert gate_up[16:] == [2 * u + 1 if oai else i + u for u in range(16)]
