@@ -3,9 +3,11 @@
 Decode reads each active expert's weights once per call, so its speed is the bandwidth at
 which the weights stream. This kernel fuses w13, the activation, w2 and the weighted
 combine, splits every expert's rows between the cores, and runs bf16 weights (widened in
-registers) and int8 / int4 weights (integer dot products on activations quantized per block
-of 32, llama.cpp's design; above 16 tokens, in the avx512 build, tiles of two rows by six
-tokens). docs/architecture.md, "The native decode kernel", has the layout and the schedule.
+registers) and int8 / int4 weights (integer dot products on activations quantized on the
+fly: in the avx2 build per block of 32 along each row, llama.cpp's design; in the avx512 build
+in pairs of 16-row blocks, one ``vpdpbusd`` for 16 rows, inputs per 32 values up to 16
+tokens and per 128 above). docs/architecture.md, "The native decode kernel", has the layouts
+and the schedule.
 
 With bf16 weights it serves decode: ``max_tokens`` keeps it to buckets of up to 16 tokens
 (a GEMV per token and expert loses to the bf16 GEMM kernels beyond that); larger calls
@@ -13,8 +15,9 @@ route to the next backend. With int8 / int4 weights it has no limit: the other q
 paths (torch's weight-only kernels, the dequantizing loop) were slower at T=128 and 512 as
 well (C2 int8 T=128 on a Zen 3: 99 ms against 189 for torch_woq), so the default routing
 measures it at every bucket. Forced (``backend="native"``), it runs every T, correctly. Its
-state holds one copy of the weights, plus (int8 / int4, avx512) each unit's weight sums:
-``weight_copies`` declares 1.05 / 1.1.
+state holds one copy of the weights in its layout (padded: K to 32 values, rows to pairs of
+16-row blocks; per-channel int8 scales widened to fp32): ``weight_copies`` declares 1.05 /
+1.1, above what it measures (C2: 1.02 / 1.05 of the quantized bytes).
 
 The kernel is built on first use for the ISA the machine has (``kernel``); without a
 compiler or after a failed build the backend rejects with the reason, and the others run.
@@ -40,7 +43,7 @@ PRIORITY = 375
 MAX_TOKENS = 16  # bf16 weights; int8 / int4: no limit (module docstring)
 _I32, _F32 = torch.int32, torch.float32
 # int8/int4 weights: activations quantized per block of 32 (measured 1.1-1.3e-2), or per 128
-# values in the avx512 build's tiles above 16 tokens (1.6e-2): tiles_quant.h
+# values in the avx512 build above 16 tokens (1.6e-2): blocks_quant.h
 ERROR_BOUND = 2e-2
 
 
