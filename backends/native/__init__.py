@@ -6,7 +6,7 @@ combine, splits every expert's rows between the cores, and runs bf16 weights (wi
 registers) and int8 / int4 weights (integer dot products on activations quantized on the
 fly: in the avx2 build per block of 32 along each row, llama.cpp's design; in the avx512 build
 in pairs of 16-row blocks, one ``vpdpbusd`` for 16 rows, inputs per 32 values up to 16
-tokens and per 128 above). docs/architecture.md, "The native decode kernel", has the layouts
+tokens, x per 128 values above). docs/architecture.md, "The native decode kernel", has the layouts
 and the schedule.
 
 With bf16 weights it serves decode: ``max_tokens`` keeps it to buckets of up to 16 tokens
@@ -42,8 +42,9 @@ NAME = "native"
 PRIORITY = 375
 MAX_TOKENS = 16  # bf16 weights; int8 / int4: no limit (module docstring)
 _I32, _F32 = torch.int32, torch.float32
-# int8/int4 weights: activations quantized per block of 32 (measured 1.1-1.3e-2), or per 128
-# values in the avx512 build above 16 tokens (1.6e-2): blocks_quant.h
+# int8/int4 weights: activations quantized per 32 values (measured 1.1-1.3e-2; 2.9e-2 on one
+# tiny single-token layer Hypothesis found, E=1 H=192 I=64 int4 g64 zero points), x per 128
+# values in the avx512 build above 16 tokens (1.3e-2): forward_blocks.h
 ERROR_BOUND = 2e-2
 
 

@@ -10,9 +10,9 @@
 // vpdpbusd alone ~210 GMAC/s, halved by scaling per 64 values), and the sums end in a
 // horizontal add. Here a unit of 128 values is 32 vpdpbusd per (block, input), one convert,
 // multiply and FMA scale 16 rows' sums, and nothing is reduced across lanes. On a Zen 4 at
-// C2 T=512 (bench_quant.py, two runs whose bf16 default took 96 and 98 ms) the forced native
-// layer went from 94 ms (rows, in tiles of two rows by six inputs) to 60 for int8, and from
-// 110 to 62 for int4 g128.
+// C2 T=512 (bench_quant.py, two runs whose bf16 default took 96 and 95 ms) the forced native
+// layer went from 94 ms (rows, in tiles of two rows by six inputs) to 64 for int8, and from
+// 110 to 67 for int4 g128.
 //
 // vpdpbusd multiplies unsigned by signed bytes: the weights are the unsigned operand (int8
 // stored + 128, int4 as u in 0..15) and the inputs signed int8, quantized per group of
