@@ -30,8 +30,8 @@ namespace moe_dispatch_native {
 #if MD_AVX512
 
 constexpr int64_t kRows = 16;       // rows per block (one int32 lane each)
-constexpr int64_t kWideGroup = 128; // values per input scale above 16 tokens (forward_blocks.h)
-constexpr int64_t kNarrowGroup = 32;// values per input scale up to 16 tokens
+constexpr int64_t kWideGroup = 128; // values per scale of x above 16 tokens (forward_blocks.h)
+constexpr int64_t kNarrowGroup = 32;// of x up to 16 tokens, and of the intermediate at every T
 
 // One projection in blocks: q [E, blocks, Kp * 16] (int4: Kp * 8) bytes, scales fp32 or fp16
 // and zero points uint8 [E, blocks, groups, 16].
@@ -107,7 +107,7 @@ struct BlockInputs {
     sum.assign(n * units, 0);
   }
   // Fill vector i from len fp32 values (the rest of kp stays zero): quantize_range's values
-  // (amax / 127, round to nearest even), 16 at a time (scalar, this was a tenth of C1's
+  // (amax / 127, round to nearest even), 16 at a time (scalar, this was a quarter of C1's
   // time at T=512).
   void set(int64_t i, const float* v, int64_t len) {
     int8_t* out = q.data() + i * kp;

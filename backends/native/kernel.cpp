@@ -105,6 +105,8 @@ class Experts {
     return forward_rows(r, x);
   }
 
+  bool blocked() const { return blocked_; }  // the avx512 blocks (forward_blocks.h) run
+
  private:
   at::Tensor forward_rows(const Routing& r, const at::Tensor& x) const {
     const int64_t tokens = r.tokens, top_k = r.top_k, pairs = r.pairs;
@@ -241,7 +243,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, at::Tensor, OptTensor, OptTensor,
                     int64_t, at::Tensor, OptTensor, OptTensor, int64_t, int64_t, OptTensor,
                     OptTensor, bool>())
-      .def("forward", &Experts::forward, py::call_guard<py::gil_scoped_release>());
+      .def("forward", &Experts::forward, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("blocked", &Experts::blocked);
   py::class_<FastCall>(m, "FastCall")
       .def(py::init<std::shared_ptr<Experts>, bool, int64_t, int64_t, int64_t, at::ScalarType,
                     std::vector<at::Tensor>, std::vector<int64_t>>())
