@@ -1,10 +1,11 @@
 """The default policy ("auto"): each token count runs the backend measured fastest for it.
 
 The backends here run the portable loop (so every answer is checked against the float64
-reference) and sleep for a time that depends on the token count: their speed ranking per
-token count is known, with margins of 3x and more, so the routing the tuner must find is
-known too (ratios within ``DROP_FACTOR``, so no candidate is dropped unless a test means it
-to be). No test asserts a real kernel's timing.
+reference) and take a time that depends on the token count on the tuner's clock, which these
+tests make virtual (``VirtualClock``): their speed ranking per token count is exact, with
+margins of 3x and more, so the routing the tuner must find is known too (ratios within
+``DROP_FACTOR``, so no candidate is dropped unless a test means it to be). No test asserts a
+real kernel's timing.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 import moe_dispatch as md
+from moe_dispatch import _measure, _timing, _tuning
 from moe_dispatch.kernels import expert_loop
 from moe_dispatch.testing import TOLERANCE, random_routing, random_weights, reference, rel_error
 
@@ -25,10 +27,25 @@ CFG = md.MoEConfig(4, 2, 32, 16, dtype=torch.float32)
 CAP = 64  # buckets 1, 2, 4, 8, 16, 32, 64; probed first: 1, 8, 64
 
 
-# Milliseconds per unit of pace. The loop's own time on a loaded 2-core machine reaches ~1 ms
-# a call: at one unit per ms, a 2x gap could pass the drop factor (2.5x) and a CI run routed
-# by it (measured). Three ms per unit keeps the planned ratios.
+# Milliseconds per unit of pace.
 PACE = 3.0
+
+
+class VirtualClock:
+    """The tuner's clock (``time`` in the modules that time candidates) in these tests: it
+    moves only when a paced backend says how long its call took. Why: with real sleeps, the
+    loop's own time and the scheduler's late wake-ups on a loaded 2-core CI machine flipped
+    rankings at T=1 (3 of these tests failed in one CI run, and under a background matmul
+    locally, at 3 and at 6 ms per unit alike)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+_CLOCKS: list[VirtualClock] = []  # the running test's clock (the fixture sets it)
 
 
 class Paced(md.BackendBase):
@@ -51,15 +68,11 @@ class Paced(md.BackendBase):
         return weights
 
     def apply(self, state, x, tw, ids):
-        # The call lasts its paced time, the loop's own time included (so that a loaded
-        # machine slows the loop, not the ranking).
-        start = time.perf_counter()
+        # The call lasts its paced time on the tuner's (virtual) clock, whatever the loop took.
         tokens = x.shape[0]
         self.calls[tokens] += 1
         out = expert_loop(state, x, tw, ids)
-        left = (self.small if tokens <= self.switch else self.large) / 1e3 - (time.perf_counter() - start)
-        if left > 0:
-            time.sleep(left)
+        _CLOCKS[-1].now += (self.small if tokens <= self.switch else self.large) / 1e3
         return out
 
     def fast_call(self, state, guard):
@@ -81,8 +94,15 @@ def _registry(**backends: tuple[int, Paced]) -> md.Registry:
 
 @pytest.fixture
 def default_policy(monkeypatch):
-    """The environment a user has: no MOE_DISPATCH_POLICY (conftest sets "priority")."""
+    """The environment a user has: no MOE_DISPATCH_POLICY (conftest sets "priority"); and
+    the tuner's clock virtual, for the paced backends (``VirtualClock``)."""
     monkeypatch.delenv("MOE_DISPATCH_POLICY", raising=False)
+    clock = VirtualClock()
+    for module in (_timing, _measure, _tuning):
+        monkeypatch.setattr(module, "time", clock)
+    _CLOCKS.append(clock)
+    yield clock
+    _CLOCKS.pop()
 
 
 def _check(layer, w, tokens, seed=0):
