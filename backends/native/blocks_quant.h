@@ -173,13 +173,15 @@ void block_dots(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in
   const bool per_row = p.group >= p.kp;
   for (int64_t u = 0; u < in.units; ++u) {
     const int64_t k0 = u * in.unit, k1 = std::min(p.kp, k0 + in.unit), g = k0 / p.group;
-    __m512i a[R][N];
+    __m512i a[R][N], z[R];  // z: the rows' zero points of this unit, loaded once for all inputs
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) z[r] = p.z ? p.zero(e, b0 + r, g) : _mm512_setzero_si512();
 #pragma GCC unroll 6
     for (int n = 0; n < N; ++n) {
       const int32_t xsum = in.sum[idx[n] * in.units + u];
 #pragma GCC unroll 2
       for (int r = 0; r < R; ++r)
-        a[r][n] = p.z ? _mm512_mullo_epi32(p.zero(e, b0 + r, g), _mm512_set1_epi32(-xsum))
+        a[r][n] = p.z ? _mm512_mullo_epi32(z[r], _mm512_set1_epi32(-xsum))
                       : _mm512_set1_epi32(static_cast<int32_t>(-p.off * xsum));
     }
     if constexpr (kInt4) {
@@ -213,13 +215,13 @@ void block_dots(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in
     const int64_t ag = k0 / in.group;
     __m512 ws[R];
 #pragma GCC unroll 2
-    for (int r = 0; r < R; ++r) ws[r] = per_row ? _mm512_set1_ps(1.f) : p.scale(e, b0 + r, g);
+    for (int r = 0; r < R; ++r) ws[r] = per_row ? _mm512_setzero_ps() : p.scale(e, b0 + r, g);
 #pragma GCC unroll 6
     for (int n = 0; n < N; ++n) {
       const __m512 xs = _mm512_set1_ps(in.s[idx[n] * in.groups + ag]);
 #pragma GCC unroll 2
       for (int r = 0; r < R; ++r)
-        f[r][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][n]), _mm512_mul_ps(ws[r], xs), f[r][n]);
+        f[r][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][n]), per_row ? xs : _mm512_mul_ps(ws[r], xs), f[r][n]);
     }
   }
 #pragma GCC unroll 2

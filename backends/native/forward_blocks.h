@@ -43,10 +43,9 @@ inline void gate_up_units(const BlockLayer& L, const Routing& r, const BlockInpu
   const int64_t u0 = j * kRows, units = std::min(kRows, L.inter - u0);
   float bg[kRows] = {}, bu[kRows] = {};
   if (L.b13) {
-    for (int64_t l = 0; l < units; ++l) {  // canonical rows: gate u, up I + u; swigluoai 2u, 2u + 1
-      const int64_t u = u0 + l, oai = L.act == kSwigluOai;
-      bg[l] = L.b13[e * 2 * L.inter + (oai ? 2 * u : u)];
-      bu[l] = L.b13[e * 2 * L.inter + (oai ? 2 * u + 1 : L.inter + u)];
+    for (int64_t l = 0; l < units; ++l) {
+      bg[l] = L.b13[e * 2 * L.inter + gate_row(L.act, u0 + l)];
+      bu[l] = L.b13[e * 2 * L.inter + up_row(L.act, L.inter, u0 + l)];
     }
   }
   float o[2 * kTile * kRows];

@@ -135,9 +135,7 @@ class Experts {
           int64_t idx[kTile];
           for (int64_t q = 0; q < m; ++q) idx[q] = r.source(r.order[r.start[e] + j + q]);
           for (int64_t u = u0; u < u1; ++u) {
-            // Canonical rows: gate u and up I + u; interleaved (swigluoai): 2u and 2u + 1.
-            const int64_t rg = act_ == kSwigluOai ? 2 * u : u;
-            const int64_t ru = act_ == kSwigluOai ? 2 * u + 1 : inter_ + u;
+            const int64_t rg = gate_row(act_, u), ru = up_row(act_, inter_, u);
             const float bg = b13 ? b13[e * 2 * inter_ + rg] : 0.f, bu = b13 ? b13[e * 2 * inter_ + ru] : 0.f;
             float o[2 * kTile];
             rows_dots(fmt_, w13_, e, rg, ru, xin, idx, m, o);

@@ -55,6 +55,11 @@ struct Proj {
   const uint8_t* row(int64_t e, int64_t r) const { return base + (e * rows + r) * row_bytes; }
 };
 
+// The canonical rows of intermediate unit u in w13 [2I, H]: gate u and up I + u, or for
+// swigluoai (interleaved) 2u and 2u + 1. Both schedules read the biases by them.
+inline int64_t gate_row(int64_t act, int64_t u) { return act == kSwigluOai ? 2 * u : u; }
+inline int64_t up_row(int64_t act, int64_t inter, int64_t u) { return act == kSwigluOai ? 2 * u + 1 : inter + u; }
+
 // Where value j of two neighbouring int4 blocks A and B (j < 64) goes in the order their
 // 32 bytes unpack into: the low nibbles give A 0..15, B 0..15, the high ones A 16..31,
 // B 16..31. Inputs' pairs of blocks for int4 weights are stored in this order. The map is
