@@ -3,12 +3,19 @@
 An accelerator, never a requirement: without a compiler, without ninja, with the backend's
 off switch set, or after a failed build, :meth:`NativeExtension.load` returns None and
 :meth:`NativeExtension.status` says why, so the backend's Python path runs.
+
+After a build, a stamp in the build directory records what was built (sources, flags,
+compiler, torch and Python versions) and the library's path; a later process whose key is
+the same imports that library directly, as the builder would, without importing the builder
+or running ninja. Any other case goes through the builder, which rebuilds what changed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -22,6 +29,10 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 log = logging.getLogger("moe_dispatch")
+
+# Written into a build directory after torch's builder made (or found) a module there: the
+# key of what was built, and the library's path.
+STAMP = "moe_dispatch_build.json"
 
 _OFF = ("0", "false", "no", "off")
 
@@ -167,6 +178,10 @@ class NativeExtension:
         try:
             if self.before_build is not None:
                 self.before_build()
+            key = self._key(compiler)
+            module = self._load_built(directory, key)
+            if module is not None:
+                return module, f"in use ({directory})"
             from torch.utils.cpp_extension import load as build
 
             directory.mkdir(parents=True, exist_ok=True)
@@ -185,4 +200,47 @@ class NativeExtension:
                         self.what, directory, reason)
             return None, f"unavailable: build failed ({reason}); the Python path runs"
         log.info("moe-dispatch: %s ready in %.1f s", self.what, time.perf_counter() - t0)
+        self._write_stamp(directory, key, module)
         return module, f"in use ({directory})"
+
+    def _key(self, compiler: str) -> str:
+        """What torch's builder would rebuild for: the sources' bytes (the headers are in the
+        flags), the flags, the compiler, torch's and Python's versions."""
+        h = hashlib.sha256()
+        parts = [*self.sources, "|", *self.extra_cflags, "|", *self.extra_ldflags, "|",
+                 str(INCLUDE_DIR), str(shutil.which(compiler)), torch.__version__, sys.version]
+        for part in parts:
+            h.update(part.encode() + b"\0")
+        for source in self.sources:
+            h.update(Path(source).read_bytes())
+        return h.hexdigest()
+
+    def _load_built(self, directory: Path, key: str) -> ModuleType | None:
+        """The module already built for ``key``, imported as torch's builder imports it, but
+        without importing the builder (and setuptools with it: 4.3 MiB of resident memory and
+        0.2 s per process, measured on a Zen 4) or running ninja again. None when the stamp
+        is missing, another key's, or its library does not import: the builder decides."""
+        try:
+            stamp = json.loads((directory / STAMP).read_text())
+            library = Path(stamp["library"])
+            if stamp["key"] != key or library.parent != directory.resolve() or not library.is_file():
+                return None
+            spec = importlib.util.spec_from_file_location(library.stem, library)
+            if spec is None or spec.loader is None:
+                return None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        except Exception:  # unreadable stamp, a library that fails to import: rebuild / reload
+            return None
+        return module
+
+    def _write_stamp(self, directory: Path, key: str, module: ModuleType) -> None:
+        library = getattr(module, "__file__", None)
+        if not library:
+            return
+        tmp = directory / f"{STAMP}.{os.getpid()}.tmp"
+        try:  # written whole, then renamed: a reader never sees half a stamp
+            tmp.write_text(json.dumps({"key": key, "library": str(Path(library).resolve())}))
+            os.replace(tmp, directory / STAMP)
+        except OSError as exc:  # a read-only cache still works, through the builder
+            log.debug("moe-dispatch: no build stamp for the %s (%s)", self.what, exc)
