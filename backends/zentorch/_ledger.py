@@ -32,20 +32,35 @@ def op_caller() -> Callable[..., None]:
 
 
 def _addresses(t: torch.Tensor) -> set[int]:
+    """The tensor's address and each expert's (each slice along dim 0)."""
+    base = t.data_ptr()
     if t.dim() == 0:
-        return {t.data_ptr()}
-    return {t[i].data_ptr() for i in range(t.shape[0])} | {t.data_ptr()}
+        return {base}
+    step = t.stride(0) * t.element_size()
+    return {base + i * step for i in range(t.shape[0])} | {base}
+
+
+# A private copy starts at one of SHIFTS multiples of ALIGN bytes into a buffer that much
+# longer, so that one allocation offers SHIFTS + 1 starting addresses. Why: the allocator
+# hands a freed buffer's address back to the next one of its size, so each layer of a shape
+# prepared and freed burns the addresses the next would get: with one start per allocation
+# (and up to 64 allocations held), the 86th same-shaped copy in a process found none unseen.
+ALIGN = 64  # bytes: torch's CPU allocations are 64-byte aligned, and so are the shifted starts
+SHIFTS = 256
+ATTEMPTS = 64
 
 
 def private_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy whose addresses the op has never seen (hold LEDGER_LOCK)."""
+    nbytes = t.numel() * t.element_size()
     held = []  # clashing allocations stay alive so the allocator cannot return them again
-    for _ in range(64):
-        copy = torch.empty(t.shape, dtype=t.dtype)
-        if not (_addresses(copy) & _BURNED):
-            copy.copy_(t)
-            return copy
-        held.append(copy)
+    for _ in range(ATTEMPTS):
+        buffer = torch.empty(nbytes + SHIFTS * ALIGN, dtype=torch.uint8)
+        for shift in range(0, SHIFTS * ALIGN + 1, ALIGN):
+            copy = buffer[shift:shift + nbytes].view(t.dtype).view(t.shape)
+            if not (_addresses(copy) & _BURNED):
+                return copy.copy_(t)
+        held.append(buffer)
     raise RuntimeError("could not allocate a weight buffer at an address the zentorch "
                        "weight cache has not seen")
 
