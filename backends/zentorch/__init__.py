@@ -36,7 +36,7 @@ OP_NAME = _gate.OP_NAME
 EXPECTED_SCHEMA = _gate.EXPECTED_SCHEMA
 schema_problem = functools.partial(md.kernels.schema_problem, expected=_gate.EXPECTED_ARGS)
 
-__all__ = ["NAME", "OP_NAME", "PRIORITY", "ZentorchBackend", "ZentorchState", "dedupe_rows",
+__all__ = ["NAME", "OP_NAME", "PRIORITY", "ZentorchBackend", "ZentorchState", "avoided_hosts", "dedupe_rows",
            "library_status", "run_op", "schema_problem"]
 
 
@@ -127,19 +127,34 @@ class ZentorchBackend(md.BackendBase):
 # tensor): bf16 2.05x, int8 2.03x, int4 g128 2.2x.
 WEIGHT_COPIES = {"float": 2.1, "int8": 2.1, "int4": 2.3}
 
+
+def avoided_hosts(caps: md.Capabilities) -> tuple[str, ...]:
+    """The hosts whose layers leave zentorch out of their routing by default (docs/vllm.md,
+    "Backends left out inside vLLM"), as measured per kind of CPU, C2-shaped checkpoints,
+    the plugin against vLLM's own path in one driver:
+
+    - without AVX512-BF16 (Zen 3): routed inside vLLM's CPU worker it slowed the whole
+      engine, the other kernels' calls included (fp32 decode 0.18-0.81x of vLLM's own path,
+      prefill 0.73-0.94x; left out: 1.10x and 1.05x): left out of vLLM's layers;
+    - with AVX512-BF16 (Zen 4): no such slowdown, and left out the engine lost to vLLM's
+      own path (bf16 decode batch 8 0.92x, prefill 512 0.82x; fp32 prefill 0.98x) where
+      with it every figure was 1.04-1.21x: it competes.
+
+    Other CPUs without AVX512-BF16 (Zen 1) are not measured and keep Zen 3's answer."""
+    return () if caps.avx512_bf16 else ("vllm",)
+
+
 @md.hookimpl
 def moe_dispatch_backends() -> list[md.BackendSpec]:
     version, _ = library_status()  # imports zentorch now: its op is registered from here on
     # validates_ids: the op raises "topk_id value 64 is outside [0, 8)" for any id out of
     # range, negative ones included (tests/test_bad_input.py::test_bad_ids_on_every_backend_
     # and_policy checks it through the layer), so the layer leaves the range check to it.
-    # avoid_hosts: routed inside vLLM's CPU worker it slowed the whole engine, the other
-    # kernels' calls included (C2-shaped fp32 on a Zen 3: decode 0.18-0.81x of vLLM's own
-    # path, prefill 0.73-0.94x; left out 1.10x and 1.05x; docs/vllm.md).
     return [md.BackendSpec(NAME, PRIORITY, ZentorchBackend(),
                            description="AMD zentorch fused MoE op (zentorch_fused_moe)",
                            version=version or _dist_version(), validates_ids=True,
                            ops={OP_NAME: EXPECTED_SCHEMA},
                            env_vars=_gate.ENV_VARS + (native.ENV, native.DIR_ENV),
-                           weights=("float", "int8", "int4"), avoid_hosts=("vllm",),
+                           weights=("float", "int8", "int4"),
+                           avoid_hosts=avoided_hosts(md.Capabilities.detect()),
                            weight_copies=WEIGHT_COPIES)]
