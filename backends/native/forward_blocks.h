@@ -22,6 +22,7 @@
 #include "activations.h"
 #include "blocks_quant.h"
 #include "routing.h"
+#include "team.h"
 
 namespace moe_dispatch_native {
 
@@ -99,30 +100,37 @@ inline void down_blocks(const BlockLayer& L, const Routing& r, const BlockInputs
 inline at::Tensor forward_blocks(const BlockLayer& L, const Routing& r, const at::Tensor& x) {
   at::Tensor out = at::empty_like(x);
   const int64_t group = r.tokens > kNarrowTokens ? kWideGroup : kNarrowGroup;
-  // 1. inputs.
-  BlockInputs xin;
-  xin.init(r.sources(), L.w13.kp, group, unit_for(L.w13, group));
-  each_input(r, x, L.hidden, 16, [&](int64_t s, const float* v) { xin.set(s, v, L.hidden); });
-  // 2. w13 and the activation.
   const int64_t ip = L.w2.kp, jb = L.w13.blocks / 2;
-  std::vector<float> act(r.pairs * ip, 0.f);
-  at::parallel_for(0, static_cast<int64_t>(r.active.size()) * jb, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t item = lo; item < hi; ++item)
-      gate_up_units(L, r, xin, r.active[item / jb], item % jb, act.data(), ip);
-  });
-  // 3. the activated values.
-  BlockInputs ain;
+  BlockInputs xin, ain;
+  xin.init(r.sources(), L.w13.kp, group, unit_for(L.w13, group));
   ain.init(r.pairs, ip, kNarrowGroup, unit_for(L.w2, kNarrowGroup));
-  at::parallel_for(0, r.pairs, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t p = lo; p < hi; ++p) ain.set(p, act.data() + p * ip, L.inter);
-  });
-  // 4. w2 and the weighted combine.
-  at::parallel_for(0, L.w2.blocks / 2, 1, [&](int64_t lo2, int64_t hi2) {  // pairs of blocks
-    const int64_t lo = 2 * lo2, hi = 2 * hi2, h0 = lo * kRows, h1 = std::min(L.hidden, hi * kRows);
-    if (h1 <= h0) return;
-    std::vector<float> acc(r.tokens * (h1 - h0), 0.f);
-    down_blocks(L, r, ain, lo, hi, acc);
-    store_columns(acc, out, h0, h1);
+  std::vector<float> act(r.pairs * ip, 0.f);
+  in_team([&](const Team& team) {
+    team.step([&] {  // 1. inputs.
+      std::vector<float> row(L.hidden);
+      const auto [s0, s1] = team.share(r.sources());
+      for (int64_t s = s0; s < s1; ++s) {
+        input_row(r, x, L.hidden, s, row.data());
+        xin.set(s, row.data(), L.hidden);
+      }
+    });
+    team.step([&] {  // 2. w13 and the activation.
+      const auto [i0, i1] = team.share(static_cast<int64_t>(r.active.size()) * jb);
+      for (int64_t item = i0; item < i1; ++item)
+        gate_up_units(L, r, xin, r.active[item / jb], item % jb, act.data(), ip);
+    });
+    team.step([&] {  // 3. the activated values.
+      const auto [p0, p1] = team.share(r.pairs);
+      for (int64_t p = p0; p < p1; ++p) ain.set(p, act.data() + p * ip, L.inter);
+    });
+    team.step([&] {  // 4. w2 and the weighted combine, over this thread's pairs of blocks.
+      const auto [lo2, hi2] = team.share(L.w2.blocks / 2);
+      const int64_t lo = 2 * lo2, hi = 2 * hi2, h0 = lo * kRows, h1 = std::min(L.hidden, hi * kRows);
+      if (h1 <= h0) return;
+      std::vector<float> acc(r.tokens * (h1 - h0), 0.f);
+      down_blocks(L, r, ain, lo, hi, acc);
+      store_columns(acc, out, h0, h1);
+    });
   });
   return out;
 }

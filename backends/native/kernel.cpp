@@ -19,6 +19,7 @@
 //      columns, reads those rows of every active expert's w2 (expert by expert: one long
 //      stream each), and adds each pair's weighted contribution. No atomics, no reduction.
 // The intermediate (T*K*2I floats) never leaves the caches.
+// The four steps run in one OpenMP team with a barrier between them (team.h).
 //
 // The avx512 build runs int8 / int4 weights in blocks of 16 rows instead, through the same
 // four steps (forward_blocks.h, blocks_quant.h). The rows' layouts (packed by _pack.py at
@@ -47,6 +48,7 @@
 
 #include "dots.h"
 #include "forward_blocks.h"
+#include "team.h"
 
 namespace {
 
@@ -110,88 +112,98 @@ class Experts {
  private:
   at::Tensor forward_rows(const Routing& r, const at::Tensor& x) const {
     const int64_t tokens = r.tokens, top_k = r.top_k, pairs = r.pairs;
+    const int64_t ip = w2_.kp, blocks = (inter_ + kUnits - 1) / kUnits, cols = (hidden_ + kCols - 1) / kCols;
+    const bool bf16 = fmt_ == kBf16;
     at::Tensor out = at::empty_like(x);
-    // 1. inputs: one per token, or one per pair when the router weight goes on the input.
-    // bf16 vectors are not filled in parallel (their remainder vector is allocated lazily).
-    Inputs xin;
+    Inputs xin, ain;
     xin.init(r.sources(), w13_.kp, static_cast<Format>(fmt_), w13_.bpg);
-    each_input(r, x, hidden_, fmt_ == kBf16 ? r.sources() : 16,
-               [&](int64_t s, const float* v) { xin.set(s, v, hidden_); });
-    // 2. w13 and the activation, per (active expert, block of units).
-    const int64_t ip = w2_.kp, blocks = (inter_ + kUnits - 1) / kUnits;
+    ain.init(pairs, ip, static_cast<Format>(fmt_), w2_.bpg);
     std::vector<float> act(pairs * ip, 0.f);
     const float* b13 = b13_ ? b13_->const_data_ptr<float>() : nullptr;
-    at::parallel_for(0, static_cast<int64_t>(r.active.size()) * blocks, 1, [&](int64_t lo, int64_t hi) {
-      std::vector<float> gate, up;  // [pairs of the expert, kUnits]
-      for (int64_t item = lo; item < hi; ++item) {
-        const int64_t e = r.active[item / blocks], u0 = (item % blocks) * kUnits;
-        const int64_t u1 = std::min(inter_, u0 + kUnits), n = r.start[e + 1] - r.start[e];
-        gate.resize(n * kUnits);
-        up.resize(n * kUnits);
-        // The expert's pairs kTile at a time, each tile's inputs reused from L1 by the
-        // item's rows (read from memory by the first tile, from L2 by the next ones).
-        for (int64_t j = 0; j < n; j += kTile) {
-          const int64_t m = std::min(kTile, n - j);
-          int64_t idx[kTile];
-          for (int64_t q = 0; q < m; ++q) idx[q] = r.source(r.order[r.start[e] + j + q]);
-          for (int64_t u = u0; u < u1; ++u) {
-            const int64_t rg = gate_row(act_, u), ru = up_row(act_, inter_, u);
-            const float bg = b13 ? b13[e * 2 * inter_ + rg] : 0.f, bu = b13 ? b13[e * 2 * inter_ + ru] : 0.f;
-            float o[2 * kTile];
-            rows_dots(fmt_, w13_, e, rg, ru, xin, idx, m, o);
-            for (int64_t q = 0; q < m; ++q) {
-              gate[(j + q) * kUnits + u - u0] = o[2 * q] + bg;
-              up[(j + q) * kUnits + u - u0] = o[2 * q + 1] + bu;
+    const float* b2 = b2_ ? b2_->const_data_ptr<float>() : nullptr;
+    in_team([&](const Team& team) {
+      // bf16 vectors are filled by one thread (their remainder vector is allocated lazily).
+      auto fill_share = [&](int64_t n) {
+        return bf16 ? std::pair<int64_t, int64_t>{0, team.id == 0 ? n : 0} : team.share(n);
+      };
+      team.step([&] {  // 1. inputs: one per token, or one per pair (router weight on the input).
+        std::vector<float> row(hidden_);
+        const auto [s0, s1] = fill_share(r.sources());
+        for (int64_t s = s0; s < s1; ++s) {
+          input_row(r, x, hidden_, s, row.data());
+          xin.set(s, row.data(), hidden_);
+        }
+      });
+      team.step([&] {  // 2. w13 and the activation, per (active expert, block of units).
+        std::vector<float> gate, up;  // [pairs of the expert, kUnits]
+        const auto [lo, hi] = team.share(static_cast<int64_t>(r.active.size()) * blocks);
+        for (int64_t item = lo; item < hi; ++item) {
+          const int64_t e = r.active[item / blocks], u0 = (item % blocks) * kUnits;
+          const int64_t u1 = std::min(inter_, u0 + kUnits), n = r.start[e + 1] - r.start[e];
+          gate.resize(n * kUnits);
+          up.resize(n * kUnits);
+          // The expert's pairs kTile at a time, each tile's inputs reused from L1 by the
+          // item's rows (read from memory by the first tile, from L2 by the next ones).
+          for (int64_t j = 0; j < n; j += kTile) {
+            const int64_t m = std::min(kTile, n - j);
+            int64_t idx[kTile];
+            for (int64_t q = 0; q < m; ++q) idx[q] = r.source(r.order[r.start[e] + j + q]);
+            for (int64_t u = u0; u < u1; ++u) {
+              const int64_t rg = gate_row(act_, u), ru = up_row(act_, inter_, u);
+              const float bg = b13 ? b13[e * 2 * inter_ + rg] : 0.f, bu = b13 ? b13[e * 2 * inter_ + ru] : 0.f;
+              float o[2 * kTile];
+              rows_dots(fmt_, w13_, e, rg, ru, xin, idx, m, o);
+              for (int64_t q = 0; q < m; ++q) {
+                gate[(j + q) * kUnits + u - u0] = o[2 * q] + bg;
+                up[(j + q) * kUnits + u - u0] = o[2 * q + 1] + bu;
+              }
             }
           }
+          for (int64_t j = 0; j < n; ++j) {
+            float* a = act.data() + r.order[r.start[e] + j] * ip;
+            activate_units(act_, gate.data() + j * kUnits, up.data() + j * kUnits, a + u0, u1 - u0);
+          }
         }
-        for (int64_t j = 0; j < n; ++j) {
-          float* a = act.data() + r.order[r.start[e] + j] * ip;
-          activate_units(act_, gate.data() + j * kUnits, up.data() + j * kUnits, a + u0, u1 - u0);
-        }
-      }
-    });
-    // 3. the activated values in the dot product's layout.
-    Inputs ain;
-    ain.init(pairs, ip, static_cast<Format>(fmt_), w2_.bpg);
-    at::parallel_for(0, pairs, fmt_ == kBf16 ? pairs : 16, [&](int64_t lo, int64_t hi) {
-      for (int64_t p = lo; p < hi; ++p) ain.set(p, act.data() + p * ip, inter_);
-    });
-    // 4. w2 and the weighted combine, per block of output columns (each thread owns its own).
-    const int64_t cols = (hidden_ + kCols - 1) / kCols;
-    const float* b2 = b2_ ? b2_->const_data_ptr<float>() : nullptr;
-    at::parallel_for(0, cols, 1, [&](int64_t lo, int64_t hi) {
-      // This thread's columns [h0, h1): expert by expert, so that each expert's rows are
-      // one contiguous stream (h1 - h0 rows of w2[e]) for the prefetcher.
-      const int64_t h0 = lo * kCols, h1 = std::min(hidden_, hi * kCols), width = h1 - h0;
-      std::vector<float> acc(tokens * width, 0.f);
-      for (const int64_t e : r.active) {
-        // Two rows at once, h and h + half: two streams per thread, as in step 2 (the
-        // middle row of an odd range is computed twice and kept once).
-        const int64_t half = (width + 1) / 2;
-        // Rows in chunks of kChunk pairs (in L2 after the first tile), and within a chunk
-        // the expert's pairs kTile at a time (in L1); each output still sums its pairs in order.
-        for (int64_t c0 = h0; c0 < h0 + half; c0 += kChunk) {
-          const int64_t c1 = std::min(h0 + half, c0 + kChunk);
-          for (int64_t slot = r.start[e]; slot < r.start[e + 1]; slot += kTile) {
-            const int64_t m = std::min(kTile, r.start[e + 1] - slot);
-            for (int64_t h = c0; h < c1; ++h) {
-              const int64_t h2 = h + half < h1 ? h + half : h;
-              const float bias0 = b2 ? b2[e * hidden_ + h] : 0.f, bias1 = b2 ? b2[e * hidden_ + h2] : 0.f;
-              float o[2 * kTile];
-              rows_dots(fmt_, w2_, e, h, h2, ain, r.order.data() + slot, m, o);
-              for (int64_t q = 0; q < m; ++q) {
-                const int64_t p = r.order[slot + q];
-                const float scale = r.on_input ? 1.f : r.w[p];
-                float* a = acc.data() + (p / top_k) * width - h0;
-                a[h] += scale * (o[2 * q] + bias0);
-                if (h2 != h) a[h2] += scale * (o[2 * q + 1] + bias1);
+      });
+      team.step([&] {  // 3. the activated values in the dot product's layout.
+        const auto [p0, p1] = fill_share(pairs);
+        for (int64_t p = p0; p < p1; ++p) ain.set(p, act.data() + p * ip, inter_);
+      });
+      team.step([&] {  // 4. w2 and the weighted combine, per block of output columns.
+        // This thread's columns [h0, h1): expert by expert, so that each expert's rows are
+        // one contiguous stream (h1 - h0 rows of w2[e]) for the prefetcher.
+        const auto [lo, hi] = team.share(cols);
+        const int64_t h0 = lo * kCols, h1 = std::min(hidden_, hi * kCols), width = h1 - h0;
+        if (width <= 0) return;
+        std::vector<float> acc(tokens * width, 0.f);
+        for (const int64_t e : r.active) {
+          // Two rows at once, h and h + half: two streams per thread, as in step 2 (the
+          // middle row of an odd range is computed twice and kept once).
+          const int64_t half = (width + 1) / 2;
+          // Rows in chunks of kChunk pairs (in L2 after the first tile), and within a chunk
+          // the expert's pairs kTile at a time (in L1); each output still sums its pairs in order.
+          for (int64_t c0 = h0; c0 < h0 + half; c0 += kChunk) {
+            const int64_t c1 = std::min(h0 + half, c0 + kChunk);
+            for (int64_t slot = r.start[e]; slot < r.start[e + 1]; slot += kTile) {
+              const int64_t m = std::min(kTile, r.start[e + 1] - slot);
+              for (int64_t h = c0; h < c1; ++h) {
+                const int64_t h2 = h + half < h1 ? h + half : h;
+                const float bias0 = b2 ? b2[e * hidden_ + h] : 0.f, bias1 = b2 ? b2[e * hidden_ + h2] : 0.f;
+                float o[2 * kTile];
+                rows_dots(fmt_, w2_, e, h, h2, ain, r.order.data() + slot, m, o);
+                for (int64_t q = 0; q < m; ++q) {
+                  const int64_t p = r.order[slot + q];
+                  const float scale = r.on_input ? 1.f : r.w[p];
+                  float* a = acc.data() + (p / top_k) * width - h0;
+                  a[h] += scale * (o[2 * q] + bias0);
+                  if (h2 != h) a[h2] += scale * (o[2 * q + 1] + bias1);
+                }
               }
             }
           }
         }
-      }
-      store_columns(acc, out, h0, h1);
+        store_columns(acc, out, h0, h1);
+      });
     });
     return out;
   }

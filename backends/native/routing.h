@@ -1,4 +1,4 @@
-// The pairs of a call grouped by expert, and the output's last step: shared by the kernel's
+// The pairs of a call grouped by expert, each input row, and the output's last step: shared by the kernel's
 // two schedules (kernel.cpp's rows, forward_blocks.h's blocks).
 
 #pragma once
@@ -45,21 +45,18 @@ inline Routing route(const at::Tensor& tw, const at::Tensor& ids, int64_t expert
   return r;
 }
 
-// Each source's input vector (x scaled by its router weight where that goes on the input),
-// as fp32, handed to set(source, values) in parallel.
-template <class Set>
-void each_input(const Routing& r, const at::Tensor& x, int64_t hidden, int64_t grain, Set set) {
-  at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xs = xf.const_data_ptr<float>();
-  at::parallel_for(0, r.sources(), grain, [&](int64_t lo, int64_t hi) {
-    std::vector<float> row(hidden);
-    for (int64_t s = lo; s < hi; ++s) {
-      const int64_t t = r.on_input ? s / r.top_k : s;
-      const float scale = r.on_input ? r.w[s] : 1.f;
-      for (int64_t h = 0; h < hidden; ++h) row[h] = xs[t * hidden + h] * scale;
-      set(s, row.data());
-    }
-  });
+// Source s's input vector as fp32 into row[hidden]: its token's x (float32 or bfloat16),
+// times its router weight where that goes on the input.
+inline void input_row(const Routing& r, const at::Tensor& x, int64_t hidden, int64_t s, float* row) {
+  const int64_t t = r.on_input ? s / r.top_k : s;
+  const float scale = r.on_input ? r.w[s] : 1.f;
+  if (x.scalar_type() == at::kBFloat16) {
+    const at::BFloat16* v = x.const_data_ptr<at::BFloat16>() + t * hidden;
+    for (int64_t h = 0; h < hidden; ++h) row[h] = static_cast<float>(v[h]) * scale;
+  } else {
+    const float* v = x.const_data_ptr<float>() + t * hidden;
+    for (int64_t h = 0; h < hidden; ++h) row[h] = v[h] * scale;
+  }
 }
 
 // Columns [h0, h1) of every token from acc [T, h1 - h0] into out (float32 or bfloat16).
