@@ -51,23 +51,28 @@ def test_a_built_module_loads_in_a_new_process_without_the_builder():
 
 
 class _Built:
-    def __init__(self, file: Path) -> None:
-        self.__file__ = str(file)
+    """What the fake builder returns, as torch's builder returns the imported module."""
+
+    def __init__(self, file: Path, build: int) -> None:
+        self.__file__, self.BUILD = str(file), build
 
 
 def _fake_builder(monkeypatch, calls: list):
+    """torch's builder replaced by one that writes an importable "library" (a Python file:
+    the stamp's loader imports it like a built module), so every stamp case runs anywhere."""
     import torch.utils.cpp_extension as cpp
 
     def build(name, sources, build_directory, **_kw):
         calls.append(name)
-        library = Path(build_directory) / f"{name}.so"
-        library.write_bytes(b"not a library")
-        return _Built(library)
+        library = Path(build_directory) / f"{name}.py"
+        library.write_text(f"BUILD = {len(calls)}\n")
+        return _Built(library, len(calls))
     monkeypatch.setattr(cpp, "load", build)
 
 
-@pytest.mark.parametrize("stamp", ["none", "other key", "library gone", "not json"])
-def test_a_missing_stale_or_broken_stamp_goes_through_the_builder(tmp_path, monkeypatch, stamp):
+@pytest.mark.parametrize("stamp", ["valid", "none", "other key", "library gone", "library replaced",
+                                   "not json"])
+def test_only_a_valid_stamp_skips_the_builder(tmp_path, monkeypatch, stamp):
     from moe_dispatch.kernels import NativeExtension
     from moe_dispatch.kernels._native import STAMP
 
@@ -81,21 +86,55 @@ def test_a_missing_stale_or_broken_stamp_goes_through_the_builder(tmp_path, monk
     def extension():
         return NativeExtension("m", [source], switch="STAMP_TEST_OFF", dir_env="STAMP_TEST_DIR", what="m")
 
-    first = extension()
-    assert first.load() is not None and calls == ["m"]
-    directory = first.build_directory()
+    first = extension().load()
+    assert first is not None and calls == ["m"]
+    directory = extension().build_directory()
+    library = directory / "m.py"
     written = json.loads((directory / STAMP).read_text())
-    assert Path(written["library"]) == (directory / "m.so").resolve()
+    assert Path(written["library"]) == library.resolve()
     if stamp == "none":
         (directory / STAMP).unlink()
     elif stamp == "other key":
         (directory / STAMP).write_text(json.dumps({**written, "key": "0" * 64}))
     elif stamp == "library gone":
-        (directory / "m.so").unlink()
-    else:
+        library.unlink()
+    elif stamp == "library replaced":  # relinked in place by a build of another key
+        library.write_text("BUILD = 'another key'\n# longer\n")
+    elif stamp == "not json":
         (directory / STAMP).write_text("{half a stamp")
-    assert extension().load() is not None and calls == ["m", "m"]
-    assert json.loads((directory / STAMP).read_text()) == written  # rewritten whole
+    second = extension().load()
+    if stamp == "valid":  # imported from the stamp: the builder's library, the builder not run
+        assert calls == ["m"] and second.BUILD == 1 and second is not first
+        return
+    assert calls == ["m", "m"] and second.BUILD == 2
+    rewritten = json.loads((directory / STAMP).read_text())
+    assert rewritten["key"] == written["key"] and rewritten["library"] == written["library"]
+
+
+def test_a_failed_build_leaves_no_stamp(tmp_path, monkeypatch):
+    """The stamp is removed before the builder runs: a build that fails (or dies) after
+    replacing the library never leaves the old stamp naming it."""
+    import torch.utils.cpp_extension as cpp
+    from moe_dispatch.kernels import NativeExtension
+    from moe_dispatch.kernels._native import STAMP
+
+    monkeypatch.setenv("CXX", "sh")
+    monkeypatch.setenv("STAMP_TEST_DIR", str(tmp_path))
+    source = tmp_path / "m.cpp"
+    source.write_text("// a module\n")
+    calls: list = []
+    _fake_builder(monkeypatch, calls)
+    ext = NativeExtension("m", [source], switch="STAMP_TEST_OFF", dir_env="STAMP_TEST_DIR", what="m")
+    assert ext.load() is not None
+    directory = ext.build_directory()
+    source.write_text("// edited\n")  # another key: the builder runs, and fails
+
+    def broken(**_kw):
+        raise RuntimeError("compiler error")
+    monkeypatch.setattr(cpp, "load", broken)
+    again = NativeExtension("m", [source], switch="STAMP_TEST_OFF", dir_env="STAMP_TEST_DIR", what="m")
+    assert again.load() is None and again.status().startswith("unavailable: build failed")
+    assert not (directory / STAMP).exists()
 
 
 def test_an_edited_source_changes_the_build_key(tmp_path, monkeypatch):

@@ -185,6 +185,9 @@ class NativeExtension:
             from torch.utils.cpp_extension import load as build
 
             directory.mkdir(parents=True, exist_ok=True)
+            # No stamp while the builder may replace the library: a stamp names only a
+            # library built for its key (a rebuild that dies half way leaves none).
+            (directory / STAMP).unlink(missing_ok=True)
             log.info("moe-dispatch: loading the %s from %s (compiled on first use: ~30 s)",
                      self.what, directory)
             with _ninja_on_path():
@@ -205,10 +208,13 @@ class NativeExtension:
 
     def _key(self, compiler: str) -> str:
         """What torch's builder would rebuild for: the sources' bytes (the headers are in the
-        flags), the flags, the compiler, torch's and Python's versions."""
+        flags), the flags, the compiler, torch's version and commit, Python's version. Not
+        torch's path: two environments with the same torch share one build (the builder would
+        relink for the other's include path, to the same binary)."""
         h = hashlib.sha256()
         parts = [*self.sources, "|", *self.extra_cflags, "|", *self.extra_ldflags, "|",
-                 str(INCLUDE_DIR), str(shutil.which(compiler)), torch.__version__, sys.version]
+                 str(INCLUDE_DIR), str(shutil.which(compiler)), torch.__version__,
+                 str(torch.version.git_version), sys.version]
         for part in parts:
             h.update(part.encode() + b"\0")
         for source in self.sources:
@@ -217,13 +223,17 @@ class NativeExtension:
 
     def _load_built(self, directory: Path, key: str) -> ModuleType | None:
         """The module already built for ``key``, imported as torch's builder imports it, but
-        without importing the builder (and setuptools with it: 4.3 MiB of resident memory and
-        0.2 s per process, measured on a Zen 4) or running ninja again. None when the stamp
-        is missing, another key's, or its library does not import: the builder decides."""
+        without importing the builder (and setuptools with it) or running ninja again:
+        measured on a Zen 4, 4.3 MiB less resident memory and 1 ms instead of 40-50 ms per
+        module and process. None when the stamp is missing, another key's, its library is
+        not the file it names (replaced since: another build relinked it), or does not
+        import: the builder decides (under its lock)."""
         try:
             stamp = json.loads((directory / STAMP).read_text())
             library = Path(stamp["library"])
-            if stamp["key"] != key or library.parent != directory.resolve() or not library.is_file():
+            if stamp["key"] != key or library.parent != directory.resolve():
+                return None
+            if stamp["file"] != _file_id(library):  # missing, or rebuilt in place
                 return None
             spec = importlib.util.spec_from_file_location(library.stem, library)
             if spec is None or spec.loader is None:
@@ -240,7 +250,17 @@ class NativeExtension:
             return
         tmp = directory / f"{STAMP}.{os.getpid()}.tmp"
         try:  # written whole, then renamed: a reader never sees half a stamp
-            tmp.write_text(json.dumps({"key": key, "library": str(Path(library).resolve())}))
+            path = Path(library).resolve()
+            tmp.write_text(json.dumps({"key": key, "library": str(path), "file": _file_id(path)}))
             os.replace(tmp, directory / STAMP)
         except OSError as exc:  # a read-only cache still works, through the builder
             log.debug("moe-dispatch: no build stamp for the %s (%s)", self.what, exc)
+
+
+def _file_id(path: Path) -> list[int] | None:
+    """The library file's size and modification time (ns), or None if it is missing."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns]
