@@ -316,7 +316,8 @@ def test_the_plugins_layers_leave_out_the_default_backends_unless_told(
     cfg = md.MoEConfig(8, 2, 64, 32, dtype=torch.float32)
     monkeypatch.setattr(plugin, "LAYER_OPTIONS", {})
     monkeypatch.delenv(plugin.EXCLUDE_ENV)
-    monkeypatch.setenv(plugin.EXCLUDE_ENV, "zentorch")
+    if not avoided:  # zentorch competes here by default: leave it out by name instead
+        monkeypatch.setenv(plugin.EXCLUDE_ENV, "zentorch")
     layer = md.MoELayer(cfg, tuning_cache=False, **plugin.layer_options())
     assert "zentorch" in layer.load_weights(**random_weights(cfg)).prepare().resolution.excluded
 

@@ -11,6 +11,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <utility>
@@ -20,6 +21,7 @@ namespace moe_dispatch_native {
 struct Team {
   int id = 0, size = 1;
   std::exception_ptr* error = nullptr;  // the team's first exception, rethrown after it
+  std::atomic<bool>* failed = nullptr;    // set with it: the steps after it are skipped
   // This thread's contiguous share of [0, n): the split at::parallel_for makes (n / size
   // rounded up per thread), so that each thread streams one range of the weights.
   std::pair<int64_t, int64_t> share(int64_t n) const {
@@ -28,14 +30,20 @@ struct Team {
   }
   // One step on every thread, then a barrier. An exception cannot leave an OpenMP region,
   // and a thread that skipped the barrier would leave the others waiting: it is kept (the
-  // first one) and the thread goes on to the barrier.
+  // first one), the thread goes on to the barrier, and no thread runs a later step's body
+  // (which would read what the failed step left half done).
   template <class Step>
   void step(Step&& body) const {
-    try {
-      body();
-    } catch (...) {
+    if (!failed->load(std::memory_order_relaxed)) {
+      try {
+        body();
+      } catch (...) {
 #pragma omp critical(moe_dispatch_team_error)
-      if (!*error) *error = std::current_exception();
+        {
+          if (!*error) *error = std::current_exception();
+        }
+        failed->store(true, std::memory_order_relaxed);
+      }
     }
     if (size > 1) {
 #pragma omp barrier
@@ -48,12 +56,13 @@ struct Team {
 template <class Body>
 void in_team(Body&& body) {
   std::exception_ptr error;
+  std::atomic<bool> failed{false};
   const int threads = at::get_num_threads();
   if (threads <= 1 || at::in_parallel_region() || omp_in_parallel()) {
-    body(Team{0, 1, &error});
+    body(Team{0, 1, &error, &failed});
   } else {
 #pragma omp parallel num_threads(threads)
-    body(Team{omp_get_thread_num(), omp_get_num_threads(), &error});
+    body(Team{omp_get_thread_num(), omp_get_num_threads(), &error, &failed});
   }
   if (error) std::rethrow_exception(error);
 }

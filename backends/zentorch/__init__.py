@@ -138,7 +138,7 @@ def avoided_hosts(caps: md.Capabilities) -> tuple[str, ...]:
       prefill 0.73-0.94x; left out: 1.10x and 1.05x): left out of vLLM's layers;
     - with AVX512-BF16 (Zen 4): no such slowdown, and left out the engine lost to vLLM's
       own path (bf16 decode batch 8 0.92x, prefill 512 0.82x; fp32 prefill 0.98x) where
-      with it every figure was 1.04-1.21x: it competes.
+      with it bf16 was 1.04-1.08x and fp32 prefill 1.04x: it competes.
 
     Other CPUs without AVX512-BF16 (Zen 1) are not measured and keep Zen 3's answer."""
     return () if caps.avx512_bf16 else ("vllm",)
