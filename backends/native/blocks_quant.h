@@ -152,13 +152,13 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// The R blocks from b0 (a pair: R = 2, b0 even, read as _pack.py interleaves them) of
-// expert e dotted with the N inputs idx[], into
-// o[(r * N + n) * 16 + lane] (fp32, scaled). Inlined loops with constant trip counts keep
-// the R x N sums in registers.
-template <int R, int N, bool kInt4>
+// The pair of blocks b0, b0 + 1 (b0 even, read as _pack.py interleaves them) of expert e
+// dotted with the N inputs idx[], into o[(r * N + n) * 16 + lane] (fp32, scaled). Inlined
+// loops with constant trip counts keep the 2 x N sums in registers.
+template <int N, bool kInt4>
 void block_dots(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in,
                 const int64_t* idx, float* o) {
+  constexpr int R = 2;  // blocks per call: a pair
   const int8_t* x[N];
   const uint8_t* w[R];
 #pragma GCC unroll 6
@@ -232,24 +232,24 @@ void block_dots(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in
   }
 }
 
-template <int R, bool kInt4>
+template <bool kInt4>
 inline void block_dots_n(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in,
                          const int64_t* idx, int64_t n, float* o) {
   switch (n) {
-    case 1: return block_dots<R, 1, kInt4>(p, e, b0, in, idx, o);
-    case 2: return block_dots<R, 2, kInt4>(p, e, b0, in, idx, o);
-    case 3: return block_dots<R, 3, kInt4>(p, e, b0, in, idx, o);
-    case 4: return block_dots<R, 4, kInt4>(p, e, b0, in, idx, o);
-    case 5: return block_dots<R, 5, kInt4>(p, e, b0, in, idx, o);
-    default: return block_dots<R, 6, kInt4>(p, e, b0, in, idx, o);
+    case 1: return block_dots<1, kInt4>(p, e, b0, in, idx, o);
+    case 2: return block_dots<2, kInt4>(p, e, b0, in, idx, o);
+    case 3: return block_dots<3, kInt4>(p, e, b0, in, idx, o);
+    case 4: return block_dots<4, kInt4>(p, e, b0, in, idx, o);
+    case 5: return block_dots<5, kInt4>(p, e, b0, in, idx, o);
+    default: return block_dots<6, kInt4>(p, e, b0, in, idx, o);
   }
 }
 
 // The pair of blocks b0, b0 + 1 (b0 even) with n (1..kTile) inputs: o[(r * n + q) * 16 + lane].
 inline void pair_dots(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in,
                       const int64_t* idx, int64_t n, float* o) {
-  if (p.int4) block_dots_n<2, true>(p, e, b0, in, idx, n, o);
-  else block_dots_n<2, false>(p, e, b0, in, idx, n, o);
+  if (p.int4) block_dots_n<true>(p, e, b0, in, idx, n, o);
+  else block_dots_n<false>(p, e, b0, in, idx, n, o);
 }
 
 #endif  // MD_AVX512
