@@ -145,8 +145,8 @@ def test_an_edited_source_changes_the_build_key(tmp_path, monkeypatch):
     source = tmp_path / "m.cpp"
     source.write_text("// one\n")
     ext = NativeExtension("m", [source], switch="X", dir_env="Y", what="m")
-    before = ext._key("sh")
+    before = ext._key("/bin/sh")
     source.write_text("// two\n")
-    assert ext._key("sh") != before
+    assert ext._key("/bin/sh") != before
     assert NativeExtension("m", [source], switch="X", dir_env="Y", what="m",
-                           extra_cflags=("-O3",))._key("sh") != ext._key("sh")
+                           extra_cflags=("-O3",))._key("/bin/sh") != ext._key("/bin/sh")

@@ -107,12 +107,8 @@ inline at::Tensor forward_blocks(const BlockLayer& L, const Routing& r, const at
   std::vector<float> act(r.pairs * ip, 0.f);
   in_team([&](const Team& team) {
     team.step([&] {  // 1. inputs.
-      std::vector<float> row(L.hidden);
-      const auto [s0, s1] = team.share(r.sources());
-      for (int64_t s = s0; s < s1; ++s) {
-        input_row(r, x, L.hidden, s, row.data());
-        xin.set(s, row.data(), L.hidden);
-      }
+      each_input(r, x, L.hidden, team.share(r.sources()),
+                 [&](int64_t s, const float* v) { xin.set(s, v, L.hidden); });
     });
     team.step([&] {  // 2. w13 and the activation.
       const auto [i0, i1] = team.share(static_cast<int64_t>(r.active.size()) * jb);

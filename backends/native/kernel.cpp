@@ -127,12 +127,8 @@ class Experts {
         return bf16 ? std::pair<int64_t, int64_t>{0, team.id == 0 ? n : 0} : team.share(n);
       };
       team.step([&] {  // 1. inputs: one per token, or one per pair (router weight on the input).
-        std::vector<float> row(hidden_);
-        const auto [s0, s1] = fill_share(r.sources());
-        for (int64_t s = s0; s < s1; ++s) {
-          input_row(r, x, hidden_, s, row.data());
-          xin.set(s, row.data(), hidden_);
-        }
+        each_input(r, x, hidden_, fill_share(r.sources()),
+                   [&](int64_t s, const float* v) { xin.set(s, v, hidden_); });
       });
       team.step([&] {  // 2. w13 and the activation, per (active expert, block of units).
         std::vector<float> gate, up;  // [pairs of the expert, kUnits]

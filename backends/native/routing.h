@@ -1,4 +1,4 @@
-// The pairs of a call grouped by expert, each input row, and the output's last step: shared by the kernel's
+// The pairs of a call grouped by expert, its input vectors, and the output's last step: shared by the kernel's
 // two schedules (kernel.cpp's rows, forward_blocks.h's blocks).
 
 #pragma once
@@ -7,6 +7,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace moe_dispatch_native {
 
@@ -45,17 +46,24 @@ inline Routing route(const at::Tensor& tw, const at::Tensor& ids, int64_t expert
   return r;
 }
 
-// Source s's input vector as fp32 into row[hidden]: its token's x (float32 or bfloat16),
-// times its router weight where that goes on the input.
-inline void input_row(const Routing& r, const at::Tensor& x, int64_t hidden, int64_t s, float* row) {
-  const int64_t t = r.on_input ? s / r.top_k : s;
-  const float scale = r.on_input ? r.w[s] : 1.f;
-  if (x.scalar_type() == at::kBFloat16) {
-    const at::BFloat16* v = x.const_data_ptr<at::BFloat16>() + t * hidden;
-    for (int64_t h = 0; h < hidden; ++h) row[h] = static_cast<float>(v[h]) * scale;
-  } else {
-    const float* v = x.const_data_ptr<float>() + t * hidden;
-    for (int64_t h = 0; h < hidden; ++h) row[h] = v[h] * scale;
+// The input vectors of sources [range.first, range.second) as fp32, each handed to
+// set(source, values): its token's x (float32 or bfloat16), times its router weight where
+// that goes on the input. Called by one thread of a team for its share.
+template <class Set>
+void each_input(const Routing& r, const at::Tensor& x, int64_t hidden,
+                std::pair<int64_t, int64_t> range, Set set) {
+  std::vector<float> row(hidden);
+  for (int64_t s = range.first; s < range.second; ++s) {
+    const int64_t t = r.on_input ? s / r.top_k : s;
+    const float scale = r.on_input ? r.w[s] : 1.f;
+    if (x.scalar_type() == at::kBFloat16) {
+      const at::BFloat16* v = x.const_data_ptr<at::BFloat16>() + t * hidden;
+      for (int64_t h = 0; h < hidden; ++h) row[h] = static_cast<float>(v[h]) * scale;
+    } else {
+      const float* v = x.const_data_ptr<float>() + t * hidden;
+      for (int64_t h = 0; h < hidden; ++h) row[h] = v[h] * scale;
+    }
+    set(s, row.data());
   }
 }
 

@@ -169,7 +169,8 @@ class NativeExtension:
         if self.disabled():
             return None, f"off ({self.switch}={os.environ.get(self.switch)}): the Python path runs"
         compiler = os.environ.get("CXX", "c++")
-        if shutil.which(compiler) is None:
+        compiler_path = shutil.which(compiler)
+        if compiler_path is None:
             reason = f"no C++ compiler ({compiler!r} is not on PATH)"
             log.warning("moe-dispatch: %s unavailable: %s; the Python path runs", self.what, reason)
             return None, f"unavailable: {reason}; the Python path runs"
@@ -178,7 +179,7 @@ class NativeExtension:
         try:
             if self.before_build is not None:
                 self.before_build()
-            key = self._key(compiler)
+            key = self._key(compiler_path)
             module = self._load_built(directory, key)
             if module is not None:
                 return module, f"in use ({directory})"
@@ -206,14 +207,14 @@ class NativeExtension:
         self._write_stamp(directory, key, module)
         return module, f"in use ({directory})"
 
-    def _key(self, compiler: str) -> str:
+    def _key(self, compiler_path: str) -> str:
         """What torch's builder would rebuild for: the sources' bytes (the headers are in the
-        flags), the flags, the compiler, torch's version and commit, Python's version. Not
+        flags), the flags, the compiler's path, torch's version and commit, Python's version. Not
         torch's path: two environments with the same torch share one build (the builder would
         relink for the other's include path, to the same binary)."""
         h = hashlib.sha256()
         parts = [*self.sources, "|", *self.extra_cflags, "|", *self.extra_ldflags, "|",
-                 str(INCLUDE_DIR), str(shutil.which(compiler)), torch.__version__,
+                 str(INCLUDE_DIR), compiler_path, torch.__version__,
                  str(torch.version.git_version), sys.version]
         for part in parts:
             h.update(part.encode() + b"\0")
