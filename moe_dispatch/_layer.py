@@ -13,17 +13,20 @@ import threading
 from typing import Any, Iterable
 
 import torch
-import torch.nn.modules.module as _module
 
 from ._canonical import CanonicalWeights
 from ._capabilities import Capabilities
 from ._compile import register_layer
 from ._config import MoEConfig
 from ._explain import explain_layer
+from ._fastpath import COMPILER as _COMPILER, FLOAT_DTYPES as _FLOAT_DTYPES
+from ._fastpath import GLOBAL_HOOKS as _GLOBAL_HOOKS, ID_DTYPES as _ID_DTYPES, TENSOR as _Tensor
+from ._fastpath import dynamo_compiling as _dynamo_compiling, is_compiling as _is_compiling
+from ._fastpath import tracing_state as _tracing_state
 from ._errors import (InvalidArgumentError, InvalidTypeError, KernelError, LayerStateError,
                       MoEDispatchError)
 from ._options import LayerOptions
-from ._plan import Demotion, ExecutionPlan
+from ._plan import Demotion, ExecutionPlan, Route
 from ._quant import QuantizedExperts
 from ._planner import build_plan
 from ._resolution import Resolution
@@ -31,15 +34,6 @@ from ._resolver import resolve
 from ._spec import BackendRecord
 from ._validation import check_forward, check_weights
 from .kernels import id_range, version_of
-
-_Tensor = torch.Tensor
-_is_compiling = torch.compiler.is_compiling  # bound once: one lookup less per call
-_ID_DTYPES = (torch.int32, torch.int64)
-_FLOAT_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.float64))
-_tracing_state = torch._C._get_tracing_state
-# nn.Module's process-wide hook registries (mutated in place by register_module_*_hook).
-_GLOBAL_HOOKS = (_module._global_forward_hooks, _module._global_forward_pre_hooks,
-                 _module._global_backward_hooks, _module._global_backward_pre_hooks)
 
 log = logging.getLogger("moe_dispatch")
 
@@ -195,11 +189,20 @@ class MoELayer(torch.nn.Module):
         if (plan is None or not plan.watched or self._compiled_call_impl is not None
                 or self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
                 or self._backward_pre_hooks or _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1]
-                or _GLOBAL_HOOKS[2] or _GLOBAL_HOOKS[3] or _is_compiling() or _tracing_state()):
+                or _GLOBAL_HOOKS[2] or _GLOBAL_HOOKS[3] or _dynamo_compiling()
+                or _COMPILER._is_compiling_flag or _tracing_state()):
             return super().__call__(*args, **kwargs)
-        if len(args) == 3 and not kwargs:
+        if len(args) != 3 or kwargs:
+            return self._run_python(*args, **kwargs)
+        pair = plan.single
+        if pair is None:
             return self.run(*args)
-        return self._run_python(*args, **kwargs)
+        # run()'s native branch, inlined: every frame and lookup here runs cold at decode.
+        try:
+            out = pair[0](*args)
+        except Exception as exc:
+            return self._entry_failed(pair[1], exc, *args)
+        return out if out is not None else self._run_python(*args)
 
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
@@ -224,15 +227,18 @@ class MoELayer(torch.nn.Module):
                 try:
                     out = pair[0](hidden_states, topk_weights, topk_ids)
                 except Exception as exc:
-                    # The entry checked the inputs before the kernel ran, so this is the
-                    # kernel's (or the entry's) failure; re-check all the same: the caller's
-                    # bad input must never demote a backend.
-                    check_forward(self.config, hidden_states, topk_weights, topk_ids)
-                    return self._fall_back(pair[1].record, exc, hidden_states, topk_weights,
-                                           topk_ids)
+                    return self._entry_failed(pair[1], exc, hidden_states, topk_weights, topk_ids)
                 if out is not None:
                     return out
         return self._run_python(hidden_states, topk_weights, topk_ids)
+
+    def _entry_failed(self, route: Route, exc: Exception, hidden_states: torch.Tensor,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        # The entry checked the inputs before the kernel ran, so this is the kernel's (or the
+        # entry's) failure; re-check all the same: the caller's bad input must never demote
+        # a backend.
+        check_forward(self.config, hidden_states, topk_weights, topk_ids)
+        return self._fall_back(route.record, exc, hidden_states, topk_weights, topk_ids)
 
     def _run_python(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor) -> torch.Tensor:

@@ -76,15 +76,22 @@ class ExecutionPlan:
     experts: int = 0
     dtype: torch.dtype = torch.float32
     check_ids: bool = True  # False when every route's kernel rejects bad ids itself
+    # The native entry and its route when one serves every token count: the layer's
+    # __call__ takes it without a bucket lookup (a Python frame less per call).
+    single: tuple[NativeEntry, Route] | None = attrs.field(init=False)
 
-    @property
-    def native(self) -> NativeEntry | None:
-        """The native entry when one backend serves every token count and has one."""
+    @single.default
+    def _single(self) -> tuple[NativeEntry, Route] | None:
         natives = self.natives
         first = natives[0] if natives is not None else None
         if first is None or any(pair is not first for pair in natives):  # type: ignore[union-attr]
             return None
-        return first[0]
+        return first
+
+    @property
+    def native(self) -> NativeEntry | None:
+        """The native entry when one backend serves every token count and has one."""
+        return self.single[0] if self.single is not None else None
 
     def native_for(self, hidden_states: Any) -> tuple[NativeEntry, Route] | None:
         """The native entry (and its route) of the bucket of this call's token count, or

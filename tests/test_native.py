@@ -193,7 +193,7 @@ def test_zentorch_plain_calls_run_in_cpp(zen_layers, dtype):
     cfg, w, layer = zen_layers[dtype]
     assert layer.backend == "zentorch"
     assert zentorch_native.status().startswith("in use"), zentorch_native.status()
-    assert type(layer.plan.native).__name__ == "FastCall" and layer.uses_native_entry
+    assert layer.plan.native.__name__ == "native_entry" and layer.uses_native_entry
     assert "native entry" in layer.explain()
     for tokens in (1, 7, 64):
         x, tw, ids = random_routing(cfg, tokens, seed=tokens)
@@ -327,7 +327,7 @@ def test_fast_call_object_checks_without_running_the_op():
     assert native is not None, zentorch_native.status()
     for dtype in (torch.bfloat16, torch.float32):
         w13, w2 = torch.randn(8, 64, 32).to(dtype), torch.randn(8, 32, 32).to(dtype)
-        fc = native.FastCall(w13, w2, None, None, "silu", 32, 2, 8, dtype, [w13], [w13._version])
+        fc = native.FastCall(w13, w2, None, None, "silu", 32, 2, 8, dtype, [w13], [w13._version]).entry()
         x = torch.randn(3, 32).to(dtype)
         tw, ids = md.select_experts(torch.randn(3, 8), 2)
         bad = ids.clone()
@@ -337,6 +337,8 @@ def test_fast_call_object_checks_without_running_the_op():
         dup = ids.clone()
         dup[0, 1] = dup[0, 0]
         assert fc(x, tw, dup) is None                       # repeated id in a row
+        with pytest.raises(TypeError, match="3 arguments"):
+            fc(x, tw)
         w13.add_(0.0)
         assert fc(x, tw, ids) is None                       # watched weight changed
     with pytest.raises(RuntimeError, match="plain config"):

@@ -9,6 +9,8 @@ the AVX2 build runs on AVX-512 machines too."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -259,6 +261,27 @@ def test_the_native_entry_gives_the_python_paths_numbers(build):
     assert entry is not None
     fast = entry[0](x, tw, ids)
     assert fast is not None and torch.equal(fast, layer.plan.route.apply(layer.plan.route.state, x, tw, ids))
+
+
+def test_the_entry_is_a_cpython_function_that_owns_its_kernel(build):
+    """The toolkit's entry_function: three positional arguments or a TypeError that says so,
+    None for a call that is not plain, and its own reference to the kernel's state (it runs
+    after the layer that made it is gone)."""
+    cfg = _cfg(None)
+    layer, _, _ = _layer(cfg)
+    x, tw, ids = random_routing(cfg, 2)
+    ids, tw = ids.to(torch.int32).contiguous(), tw.float().contiguous()
+    entry = layer.plan.native
+    assert entry.__name__ == "native_entry"
+    expected = entry(x, tw, ids)
+    with pytest.raises(TypeError, match=r"3 arguments \(hidden_states, topk_weights, topk_ids\), got 2"):
+        entry(x, tw)
+    with pytest.raises(TypeError, match="keyword"):
+        entry(x, tw, topk_ids=ids)
+    assert entry(x, tw, ids.long()) is None and entry(x.float(), tw, ids) is None
+    del layer
+    gc.collect()
+    assert torch.equal(entry(x, tw, ids), expected)
 
 
 def test_the_intermediate_keeps_fp32_precision_through_w2(build):

@@ -163,6 +163,21 @@ def test_module_compile_in_place():
     assert counter.frame_count == 1  # it really ran compiled
 
 
+def test_a_compiled_caller_traces_the_fast_path_once():
+    """Dynamo traces MoELayer.__call__ when a compiled function calls the layer: its checks
+    must steer it to the custom op without a guard that fails in eager (a recompile at every
+    call) and without a graph break."""
+    torch._dynamo.reset()
+    layer = md.MoELayer(CFG).load_weights(**random_weights(CFG)).prepare()
+    from torch._dynamo.testing import CompileCounterWithBackend
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(lambda x, tw, ids: layer(x, tw, ids) + 1, fullgraph=True, backend=counter)
+    for seed in range(4):
+        x, tw, ids = random_routing(CFG, 5, seed=seed)
+        assert torch.equal(fn(x, tw, ids), layer(x, tw, ids) + 1)
+    assert counter.frame_count == 1
+
+
 def test_tuning_budget_spent_falls_back_to_the_priority_choice(caplog):
     with caplog.at_level(logging.WARNING, logger="moe_dispatch"):
         layer = md.MoELayer(CFG, policy="fastest", tune_max_tokens=8, tune_budget_s=0.0,

@@ -117,7 +117,7 @@ class NativeBackend(md.BackendBase):
         c = state.config
         return state.module.FastCall(state.experts, c.apply_router_weight_on_input, c.hidden_size,
                                      c.top_k, c.num_experts, c.dtype, list(guard.watched),
-                                     list(guard.versions))
+                                     list(guard.versions)).entry()
 
     def diagnostics(self) -> Mapping[str, str]:
         return {"native kernel": kernel.describe()}

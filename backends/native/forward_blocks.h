@@ -24,6 +24,8 @@
 #include "routing.h"
 #include "team.h"
 
+#include <moe_dispatch_fast_call.h>  // new_output
+
 namespace moe_dispatch_native {
 
 #if MD_AVX512
@@ -98,7 +100,7 @@ inline void down_blocks(const BlockLayer& L, const Routing& r, const BlockInputs
 }
 
 inline at::Tensor forward_blocks(const BlockLayer& L, const Routing& r, const at::Tensor& x) {
-  at::Tensor out = at::empty_like(x);
+  at::Tensor out = moe_dispatch::new_output(x);
   const int64_t group = r.tokens > kNarrowTokens ? kWideGroup : kNarrowGroup;
   const int64_t ip = L.w2.kp, jb = L.w13.blocks / 2;
   BlockInputs xin, ain;

@@ -114,7 +114,7 @@ class Experts {
     const int64_t tokens = r.tokens, top_k = r.top_k, pairs = r.pairs;
     const int64_t ip = w2_.kp, blocks = (inter_ + kUnits - 1) / kUnits, cols = (hidden_ + kCols - 1) / kCols;
     const bool bf16 = fmt_ == kBf16;
-    at::Tensor out = at::empty_like(x);
+    at::Tensor out = moe_dispatch::new_output(x);
     Inputs xin, ain;
     xin.init(r.sources(), w13_.kp, static_cast<Format>(fmt_), w13_.bpg);
     ain.init(pairs, ip, static_cast<Format>(fmt_), w2_.bpg);
@@ -254,5 +254,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<FastCall>(m, "FastCall")
       .def(py::init<std::shared_ptr<Experts>, bool, int64_t, int64_t, int64_t, at::ScalarType,
                     std::vector<at::Tensor>, std::vector<int64_t>>())
-      .def("__call__", &FastCall::operator());
+      .def("entry", [](const FastCall& f) { return moe_dispatch::entry_function(f); },
+           "The entry as a CPython function (the layer calls it on every plain call).");
 }

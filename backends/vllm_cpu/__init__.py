@@ -106,7 +106,7 @@ class VllmBackend(md.BackendBase):
             return None
         return module.FastCall(state.w13, state.w2, state.w13_bias, state.w2_bias, state.act,
                                state.isa, c.hidden_size, c.top_k, c.num_experts, c.dtype,
-                               list(guard.watched), list(guard.versions))
+                               list(guard.watched), list(guard.versions)).entry()
 
     def diagnostics(self) -> Mapping[str, str]:
         present, text = _library.load()

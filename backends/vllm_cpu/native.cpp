@@ -69,7 +69,7 @@ class FastCall {
     const std::optional<PlainCall> call = PlainCall::check(spec_, x, tw, ids);
     if (!call) return py::none();
     // A fresh output every call: the kernel is wrong on a strided one (measured).
-    at::Tensor out = at::empty_like(*call->x);
+    at::Tensor out = moe_dispatch::new_output(*call->x);
     run_op(out, *call->x, w13_, w2_, b13_, b2_, *call->topk_weights, *call->topk_ids, false,
            act_, isa_);
     return moe_dispatch::wrap(std::move(out));
@@ -91,5 +91,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<at::Tensor, at::Tensor, OptTensor, OptTensor, std::string, std::string,
                     int64_t, int64_t, int64_t, at::ScalarType, std::vector<at::Tensor>,
                     std::vector<int64_t>>())
-      .def("__call__", &FastCall::operator());
+      .def("entry", [](const FastCall& f) { return moe_dispatch::entry_function(f); },
+           "The entry as a CPython function (the layer calls it on every plain call).");
 }

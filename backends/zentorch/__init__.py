@@ -111,7 +111,7 @@ class ZentorchBackend(md.BackendBase):
         return module.FastCall(state.w13, state.w2, state.w13_bias, state.w2_bias, state.act,
                                c.hidden_size, c.top_k, c.num_experts, c.dtype,
                                list(guard.watched), list(guard.versions),
-                               state.w13_scales, state.w2_scales)
+                               state.w13_scales, state.w2_scales).entry()
 
     def diagnostics(self) -> Mapping[str, str]:
         version, text = library_status()

@@ -75,7 +75,7 @@ class FastCall {
   py::object operator()(py::handle x, py::handle tw, py::handle ids) const {
     const std::optional<PlainCall> call = PlainCall::check(spec_, x, tw, ids);
     if (!call) return py::none();
-    at::Tensor out = at::empty_like(*call->x);
+    at::Tensor out = moe_dispatch::new_output(*call->x);
     call_op_locked(out, *call->x, w13_, w2_, b13_, b2_, *call->topk_weights, *call->topk_ids,
                    false, act_, s13_, s2_);
     return moe_dispatch::wrap(std::move(out));
@@ -105,5 +105,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("act"), py::arg("hidden"), py::arg("top_k"), py::arg("experts"),
            py::arg("dtype"), py::arg("watched"), py::arg("versions"),
            py::arg("w13_scales") = py::none(), py::arg("w2_scales") = py::none())
-      .def("__call__", &FastCall::operator());
+      .def("entry", [](const FastCall& f) { return moe_dispatch::entry_function(f); },
+           "The entry as a CPython function (the layer calls it on every plain call).");
 }
