@@ -190,19 +190,25 @@ class MoELayer(torch.nn.Module):
                 or self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
                 or self._backward_pre_hooks or _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1]
                 or _GLOBAL_HOOKS[2] or _GLOBAL_HOOKS[3] or _dynamo_compiling()
-                or _COMPILER._is_compiling_flag or _tracing_state()):
+                or _COMPILER._is_compiling_flag):
             return super().__call__(*args, **kwargs)
-        if len(args) != 3 or kwargs:
-            return self._run_python(*args, **kwargs)
+        plain = len(args) == 3 and not kwargs
         pair = plan.single
-        if pair is None:
-            return self.run(*args)
-        # run()'s native branch, inlined: every frame and lookup here runs cold at decode.
-        try:
-            out = pair[0](*args)
-        except Exception as exc:
-            return self._entry_failed(pair[1], exc, *args)
-        return out if out is not None else self._run_python(*args)
+        if plain and pair is not None:
+            # run()'s native branch, inlined: every frame and lookup here runs cold at
+            # decode. No tracing check first: entries decline inside torch.jit.trace (their
+            # contract, which the conformance kit checks).
+            try:
+                out = pair[0](*args)
+            except Exception as exc:
+                return self._entry_failed(pair[1], exc, *args)
+            if out is not None:
+                return out
+            if not _tracing_state():
+                return self._run_python(*args)
+        elif not _tracing_state():
+            return self.run(*args) if plain else self._run_python(*args, **kwargs)
+        return super().__call__(*args, **kwargs)  # torch.jit.trace: nn.Module's path
 
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:

@@ -104,7 +104,9 @@ class BackendBase:
         every call that is not exactly: three ``torch.Tensor`` (not subclasses), dense,
         on the CPU; ``hidden_states`` 2-D ``[T, H]`` with T > 0 and the config's dtype;
         the other two ``[T, top_k]``; every id in ``[0, num_experts)``; ``guard``'s
-        versions unchanged. Exceptions it raises are treated as a kernel failure.
+        versions unchanged; and every call while ``torch.jit.trace`` is tracing
+        (``torch._C._get_tracing_state()``; the toolkit's ``PlainCall::check`` does it).
+        Exceptions it raises are treated as a kernel failure.
         Worth it only when the Python around the kernel is measurable (it is at decode:
         docs/performance.md).
         """

@@ -57,8 +57,8 @@ class EntryBackend(md.BackendBase):
 
         def entry(x, tw, ids):
             self.entry_calls += 1
-            if self.mode == "decline":
-                return None
+            if self.mode == "decline" or torch._C._get_tracing_state():
+                return None  # declined (inside torch.jit.trace, as the contract asks)
             if self.mode == "raise":
                 raise RuntimeError("native kernel status -7")
             return torch_loop.TorchLoopBackend().apply(state, x, tw, ids)
@@ -93,12 +93,14 @@ def test_plain_calls_take_the_entry_and_the_guard_names_the_canonical_weights():
         assert torch.equal(layer(x, tw, ids), out) and len(seen) == 1
         handle.remove()
         assert backend.entry_calls == 2 and backend.apply_calls == 1
-        # torch.jit.trace records torch ops: the traced forward takes the Python path
+        # torch.jit.trace records torch ops: the entry declines inside it, and the traced
+        # forward takes the Python path
         with warnings.catch_warnings():  # deprecation and data-dependent-branch warnings
             warnings.simplefilter("ignore")
             traced = torch.jit.trace(layer, (x, tw, ids), check_trace=False)
-        assert backend.entry_calls == 2 and backend.apply_calls == 2
+        assert backend.entry_calls == 3 and backend.apply_calls == 2
         assert torch.allclose(traced(x, tw, ids), out)
+        assert backend.entry_calls == 3 and backend.apply_calls == 2  # the trace ran, not us
 
 
 def test_a_tuned_layer_takes_the_entry_when_one_backend_wins_every_bucket():

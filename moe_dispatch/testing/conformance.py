@@ -8,6 +8,8 @@ with a native entry (``BackendBase.fast_call``), that entry's contract.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
@@ -134,6 +136,13 @@ def test_native_entry_agrees_with_the_python_path(moe_backend, backend_machines,
         want = layer.run(*args, native=False)
         assert got.shape == want.shape and got.dtype == want.dtype, variant
         assert rel_error(got, want) <= TOLERANCE[config.dtype], (variant, config.describe())
+    # inside torch.jit.trace (which records torch ops) a plain call must be declined too
+    plain = random_inputs(config, max(1, data["tokens"]), pool=1, seed=data["seed"])[0]
+    taken: list = []
+    with warnings.catch_warnings():  # tracing warnings
+        warnings.simplefilter("ignore")
+        torch.jit.trace(lambda *a: taken.append(entry(*a)) or a[0] * 1, plain, check_trace=False)
+    assert taken == [None], "the entry took a call inside torch.jit.trace"
     # a caller's in-place change to the canonical weights must be declined
     w["w2"].add_(0.0)
     assert entry(*args) is None, "the entry took a call after the weights changed in place"

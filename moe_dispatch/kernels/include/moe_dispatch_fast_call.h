@@ -16,6 +16,7 @@
 #include <ATen/EmptyTensor.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 
 #include <cstdint>
 #include <memory>
@@ -66,7 +67,10 @@ struct PlainSpec {
 
 // The call's tensors when it is plain: x [T, H] of the layer's dtype, T > 0; float32 router
 // weights and int32 ids [T, top_k]; every id in [0, E) (and none repeated in a row when the
-// spec asks); the canonical weights unchanged.
+// spec asks); the canonical weights unchanged; and no torch.jit.trace running (it records
+// torch ops, and would record the kernel's output as a constant). The layer leaves that
+// last check to its entries: here a thread-local read, where its Python form,
+// torch._C._get_tracing_state(), costs 10 us per cold call.
 struct PlainCall {
   const at::Tensor* x;
   const at::Tensor* topk_weights;
@@ -75,7 +79,8 @@ struct PlainCall {
 
   static std::optional<PlainCall> check(const PlainSpec& s, py::handle x, py::handle tw,
                                         py::handle ids) {
-    if (!plain_input(x.ptr(), s.dtype, -1, s.hidden)) return std::nullopt;
+    if (torch::jit::tracer::isTracing() || !plain_input(x.ptr(), s.dtype, -1, s.hidden))
+      return std::nullopt;
     const at::Tensor& xt = THPVariable_Unpack(x.ptr());
     const int64_t tokens = xt.size(0);
     if (tokens == 0 || !plain_input(tw.ptr(), at::kFloat, tokens, s.top_k) ||
