@@ -107,7 +107,8 @@ class ExecutionPlan:
 
     def route_for(self, tokens: int) -> Route:
         table = self.table
-        return self.route if table is None else table[bucket_index(tokens, len(table))]
+        # int(): under torch.jit.trace a tensor's shape[0] is a traced 0-d tensor.
+        return self.route if table is None else table[bucket_index(int(tokens), len(table))]
 
     def routes(self) -> tuple[Route, ...]:
         """The distinct routes this plan may run."""

@@ -99,6 +99,8 @@ def test_plain_calls_take_the_entry_and_the_guard_names_the_canonical_weights():
             warnings.simplefilter("ignore")
             traced = torch.jit.trace(layer, (x, tw, ids), check_trace=False)
         assert backend.entry_calls == 3 and backend.apply_calls == 2
+        # The loop's trace holds its routing (which experts it loops over), so only the traced
+        # inputs check its numbers; the counters show the entry did not serve the trace.
         assert torch.allclose(traced(x, tw, ids), out)
         assert backend.entry_calls == 3 and backend.apply_calls == 2  # the trace ran, not us
 

@@ -1,9 +1,10 @@
-"""policy="fastest" (autotuning with a persistent, validated cache) and torch.compile."""
+"""policy="fastest" (autotuning with a persistent, validated cache), torch.compile and torch.jit.trace."""
 
 from __future__ import annotations
 
 import json
 import logging
+import warnings
 
 import pytest
 import torch
@@ -161,6 +162,18 @@ def test_module_compile_in_place():
     layer.compile(fullgraph=True, backend=counter)
     assert torch.equal(layer(x, tw, ids), eager)
     assert counter.frame_count == 1  # it really ran compiled
+
+
+def test_torch_jit_trace_of_a_layer_with_a_bucket_table():
+    """Under torch.jit.trace a shape is a traced tensor: the bucket lookup takes its int."""
+    layer = md.MoELayer(CFG, policy="fastest", tune_max_tokens=4, tuning_cache=False)
+    layer.load_weights(**random_weights(CFG)).prepare()
+    assert layer.plan.table is not None
+    x, tw, ids = random_routing(CFG, 3, seed=4)
+    with warnings.catch_warnings():  # tracing warnings (data-dependent branches)
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(layer, (x, tw, ids), check_trace=False)
+    assert torch.allclose(traced(x, tw, ids), layer(x, tw, ids))
 
 
 def test_a_compiled_caller_traces_the_fast_path_once():

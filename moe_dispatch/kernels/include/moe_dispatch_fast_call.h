@@ -23,7 +23,11 @@
 #include <optional>
 #include <vector>
 
-namespace moe_dispatch {
+// Hidden: each extension compiles its own copy of this header, and a default-visibility
+// template's static member (EntryFunction<Entry>::def) would be one process-wide symbol
+// shared by every module that instantiates it with a same-named class, such as a backend's
+// avx2 and avx512 builds of one source, so one module's entries would run the other's code.
+namespace __attribute__((visibility("hidden"))) moe_dispatch {
 
 namespace py = pybind11;
 
@@ -122,16 +126,26 @@ template <class Entry>
 struct EntryFunction {
   static constexpr const char* kName = "moe_dispatch.entry";
   static PyObject* call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    HANDLE_TH_ERRORS
-    if (nargs != 3) {
-      PyErr_Format(PyExc_TypeError, "a native entry takes 3 arguments (hidden_states, "
-                   "topk_weights, topk_ids), got %zd", nargs);
+    try {
+      HANDLE_TH_ERRORS
+      try {
+        if (nargs != 3) {
+          PyErr_Format(PyExc_TypeError, "a native entry takes 3 arguments (hidden_states, "
+                       "topk_weights, topk_ids), got %zd", nargs);
+          return nullptr;
+        }
+        const auto* entry = static_cast<const Entry*>(PyCapsule_GetPointer(self, kName));
+        if (entry == nullptr) return nullptr;
+        return (*entry)(args[0], args[1], args[2]).release().ptr();
+      } catch (py::builtin_exception& e) {  // pybind11's value_error and the like keep their type
+        e.set_error();
+        return nullptr;
+      }
+      END_HANDLE_TH_ERRORS  // c10::Error, std::exception, py::error_already_set
+    } catch (...) {  // anything else: a Python error, never std::terminate
+      PyErr_SetString(PyExc_RuntimeError, "a native entry raised a non-standard C++ exception");
       return nullptr;
     }
-    const auto* entry = static_cast<const Entry*>(PyCapsule_GetPointer(self, kName));
-    if (entry == nullptr) return nullptr;
-    return (*entry)(args[0], args[1], args[2]).release().ptr();
-    END_HANDLE_TH_ERRORS
   }
   static void free(PyObject* capsule) {
     delete static_cast<Entry*>(PyCapsule_GetPointer(capsule, kName));
