@@ -194,6 +194,8 @@ class MoELayer(torch.nn.Module):
             return super().__call__(*args, **kwargs)
         plain = len(args) == 3 and not kwargs
         pair = plan.single
+        if pair is None and plain and plan.natives is not None:
+            pair = plan.native_for(args[0])  # a bucket table's entries
         if plain and pair is not None:
             # run()'s native branch, inlined: every frame and lookup here runs cold at
             # decode. No tracing check first: entries decline inside torch.jit.trace (their
@@ -204,10 +206,8 @@ class MoELayer(torch.nn.Module):
                 return self._entry_failed(pair[1], exc, *args)
             if out is not None:
                 return out
-            if not _tracing_state():
-                return self._run_python(*args)
-        elif not _tracing_state():
-            return self.run(*args) if plain else self._run_python(*args, **kwargs)
+        if not _tracing_state():
+            return self._run_python(*args, **kwargs)
         return super().__call__(*args, **kwargs)  # torch.jit.trace: nn.Module's path
 
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
