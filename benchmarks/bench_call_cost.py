@@ -45,13 +45,6 @@ def _layer(hidden: int, inter: int, scheme: md.QuantScheme | None) -> tuple[md.M
     return layer.load_weights(qe).prepare(), qe.nbytes / cfg.num_experts
 
 
-def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares intercept and slope."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - slope * mx, slope
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="384,768,1408,2816", help="intermediate sizes (multiples of 128)")
@@ -72,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- |" + " ---: |" * (len(sizes) + 2))
     for fname in FORMATS:
         names = [f"{fname} I={i}" for i in sizes]
-        fixed, slope = _fit([experts * active[n] / 1e6 for n in names], [med[n] for n in names])
+        slope, fixed = statistics.linear_regression([experts * active[n] / 1e6 for n in names],
+                                                    [med[n] for n in names])
         print(f"| {fname} | " + " | ".join(f"{med[n]:.3f}" for n in names)
               + f" | {fixed * 1e3:.0f} | {1 / slope:.1f} |")
 
