@@ -41,4 +41,5 @@ def moe_dispatch_backends() -> list[md.BackendSpec]:
     return [md.BackendSpec(NAME, PRIORITY, TorchLoopBackend(),
                            description="per-expert PyTorch loop (portable reference path)",
                            version=torch.__version__, weights=("float", "int8", "int4"),
-                           weight_copies=0)]  # it reads the layer's canonical weights
+                           weight_copies=0,  # it reads the layer's canonical weights
+                           differentiable=True)]  # F.linear on them: tests/test_autograd.py

@@ -13,7 +13,7 @@ from ._config import Activation, MoEConfig
 from ._decision import Decision, accept, reject
 from ._errors import (BackendRejectedError, InvalidArgumentError, InvalidTypeError,
                       KernelError, LayerStateError, MoEDispatchError, NoBackendError,
-                      PluginError, UnknownBackendError, WeightsModifiedError)
+                      NotDifferentiableError, PluginError, UnknownBackendError, WeightsModifiedError)
 from ._compile import moe_experts
 from ._expert_parallel import ExpertParallelLayer
 from ._layer import MoELayer
@@ -62,7 +62,7 @@ __all__ = [
     "Capabilities", "Decision", "Demotion", "ENTRY_POINT_GROUP", "ExecutionPlan",
     "ExpertParallelLayer", "FastGuard", "InvalidArgumentError", "InvalidTypeError", "KernelError",
     "LayerStateError", "LayerWeights", "MoEConfig", "MoEDispatchError", "MoELayer",
-    "NoBackendError", "PluginError", "PluginFailure", "QuantScheme", "QuantizedExperts",
+    "NoBackendError", "NotDifferentiableError", "PluginError", "PluginFailure", "QuantScheme", "QuantizedExperts",
     "QuantizedTensor", "Registry", "Resolution", "Route", "Status",
     "UnknownBackendError", "WeightsModifiedError", "accept", "available_backends", "call_check",
     "clear_cache", "experts_from_compressed_tensors", "experts_from_gguf", "explain", "hookimpl", "hookspec", "kernels", "moe_experts", "plugin_failures",

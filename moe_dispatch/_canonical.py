@@ -60,6 +60,10 @@ class CanonicalWeights:
         """The tensors, strongly held only: a weak holder has none to lend."""
         return tuple(ref() for ref in self.refs) if self.strong else ()  # type: ignore[misc]
 
+    def live(self) -> tuple[torch.Tensor, ...]:
+        """The tensors still alive, strongly or weakly held."""
+        return tuple(t for t in (ref() for ref in self.refs) if t is not None)
+
     def check_unmodified(self, backend: str) -> None:
         """Raise :class:`WeightsModifiedError` if a live tensor was written in place."""
         for name, ref, version in zip(self.names, self.refs, self.versions):

@@ -68,6 +68,10 @@ class WeightsModifiedError(LayerStateError):
     """The caller changed a prepared layer's weights in place; the prepared copy is stale."""
 
 
+class NotDifferentiableError(MoEDispatchError, RuntimeError):
+    """A backward pass through a layer call whose backend computes the forward only."""
+
+
 class KernelError(MoEDispatchError, RuntimeError):
     """A backend's kernel failed at run time and no fallback was allowed or possible."""
 

@@ -18,6 +18,7 @@ from ._canonical import CanonicalWeights
 from ._capabilities import Capabilities
 from ._compile import register_layer
 from ._config import MoEConfig
+from ._autograd import grad_enabled as _grad_enabled, run_recorded, wants_grad
 from ._explain import explain_layer
 from ._fastpath import COMPILER as _COMPILER, FLOAT_DTYPES as _FLOAT_DTYPES
 from ._fastpath import GLOBAL_HOOKS as _GLOBAL_HOOKS, ID_DTYPES as _ID_DTYPES, TENSOR as _Tensor
@@ -118,8 +119,11 @@ class MoELayer(torch.nn.Module):
                                       "has released them: load_weights() again")
             raise LayerStateError("prepare() called before load_weights(): load the "
                                   "canonical weights first")
-        return build_plan(self.config, self.options, self._config_resolution, weights,
-                          tuple(self._demotions))
+        # No autograd: a backend's copies of Parameters must not carry their graph, and its
+        # self-checks and the tuning time forward calls only.
+        with torch.no_grad():
+            return build_plan(self.config, self.options, self._config_resolution, weights,
+                              tuple(self._demotions))
 
     # -- introspection -------------------------------------------------------------
     @property
@@ -257,6 +261,10 @@ class MoELayer(torch.nn.Module):
         # the kernels reject bad ids themselves: BackendSpec.validates_ids). Any doubt: the
         # checked path, which raises the precise error.
         plan = self._plan
+        if (_grad_enabled() and plan is not None and isinstance(hidden_states, _Tensor)
+                and isinstance(topk_weights, _Tensor)
+                and wants_grad(hidden_states, topk_weights, plan.canonical.live())):
+            return run_recorded(plan, self._run_checked, hidden_states, topk_weights, topk_ids)
         if plan is not None and plan.watched and type(hidden_states) is _Tensor \
                 and type(topk_weights) is _Tensor and type(topk_ids) is _Tensor:
             shape = hidden_states.shape

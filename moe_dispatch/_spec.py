@@ -157,6 +157,13 @@ class BackendSpec:
     around it, which a layer's own timing cannot see (the host's documentation says how a
     user lets it compete again). Forced, it still runs.
 
+    ``differentiable``: the backend's ``apply`` is differentiable torch ops on the caller's
+    canonical tensors (the torch loop), so autograd records exact gradients of a call for
+    the hidden states, the router weights and the weights. Every other backend's call that
+    autograd would record runs without it and gets a backward that raises
+    :class:`NotDifferentiableError` (``_autograd.py``): its share of a gradient is never
+    silently zero. Leave it False unless a test compares its gradients with the reference.
+
     ``weight_copies``: how many copies of the layer's weights (counted in the bytes of the
     layer's format) a prepared state of this backend keeps, its kernel's own caches
     included: a number, or a mapping from weight format to one (a format it does not name:
@@ -183,6 +190,8 @@ class BackendSpec:
                                                validator=check_hosts, kw_only=True)
     weight_copies: float | tuple[tuple[str, float], ...] = attrs.field(
         default=1.0, converter=per_format_converter, validator=check_copies, kw_only=True)
+    differentiable: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool),
+                                       kw_only=True)
 
     def copies(self, weight_format: str = "float") -> float:
         """The copies of the weights a prepared state of this backend holds, for

@@ -110,3 +110,24 @@ def test_unrepresentable_models_are_refused_clearly():
             m.has_gate = False
     with pytest.raises(mdhf.HFIntegrationError, match="has_gate=False"):
         _logits(q, torch.randint(0, 128, (1, 3)))
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_training_through_the_experts_raises_instead_of_dropping_gradients(frozen):
+    """Grad mode with trainable parameters: the experts' parameter gradients would be
+    missing (the layer reads detached views), so backward raises; with the experts frozen,
+    the hidden states' gradient would miss the fused kernel's share: it raises too."""
+    model = _model("qwen3_moe", torch.float32, impl="moe_dispatch").train()
+    if frozen:
+        for m in model.modules():
+            if hasattr(m, "gate_up_proj"):
+                m.requires_grad_(False)
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(2))
+    loss = model(ids).logits.float().square().mean()
+    backend = md.resolve(hf_config.load(model.config.to_dict(), dtype=torch.float32).config).backend
+    if frozen and backend == "torch":
+        loss.backward()  # the differentiable loop: exact gradients for the hidden states
+        return
+    with pytest.raises(md.NotDifferentiableError, match="experts_implementation='eager'"
+                       if not frozen else "force backend='torch'"):
+        loss.backward()

@@ -14,6 +14,7 @@
 
 #include <torch/extension.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/frontend/tracer.h>
@@ -62,6 +63,12 @@ struct PlainSpec {
     TORCH_CHECK(top_k > 0 && hidden > 0 && experts > 0, "PlainSpec: a plain config");
   }
 
+  bool weights_want_grad() const {
+    for (const at::Tensor& w : watched)
+      if (w.requires_grad()) return true;
+    return false;
+  }
+
   bool weights_unchanged() const {
     for (size_t i = 0; i < watched.size(); ++i)
       if (watched[i]._version() != versions[i]) return false;
@@ -71,10 +78,12 @@ struct PlainSpec {
 
 // The call's tensors when it is plain: x [T, H] of the layer's dtype, T > 0; float32 router
 // weights and int32 ids [T, top_k]; every id in [0, E) (and none repeated in a row when the
-// spec asks); the canonical weights unchanged; and no torch.jit.trace running (it records
-// torch ops, and would record the kernel's output as a constant). The layer leaves that
-// last check to its entries: here a thread-local read, where its Python form,
-// torch._C._get_tracing_state(), costs 10 us per cold call.
+// spec asks); the canonical weights unchanged; no torch.jit.trace running (it records
+// torch ops, and would record the kernel's output as a constant); and nothing autograd
+// would record (grad mode on while x, the router weights or a canonical weight requires
+// grad). The layer leaves the last two checks to its entries: here thread-local reads,
+// where the tracing check's Python form, torch._C._get_tracing_state(), costs 10 us per
+// cold call.
 struct PlainCall {
   const at::Tensor* x;
   const at::Tensor* topk_weights;
@@ -89,6 +98,11 @@ struct PlainCall {
     const int64_t tokens = xt.size(0);
     if (tokens == 0 || !plain_input(tw.ptr(), at::kFloat, tokens, s.top_k) ||
         !plain_input(ids.ptr(), at::kInt, tokens, s.top_k) || !s.weights_unchanged())
+      return std::nullopt;
+    // A call autograd would record: the layer's Python path gives it exact gradients or a
+    // backward that raises (moe_dispatch/_autograd.py). Under no_grad one thread-local read.
+    if (at::GradMode::is_enabled() &&
+        (xt.requires_grad() || THPVariable_Unpack(tw.ptr()).requires_grad() || s.weights_want_grad()))
       return std::nullopt;
     const at::Tensor& it = THPVariable_Unpack(ids.ptr());
     const int32_t* row = it.const_data_ptr<int32_t>();

@@ -1,0 +1,120 @@
+"""Calls that autograd would record (moe_dispatch/_autograd.py): exact gradients on a
+differentiable backend, a backward that raises on every other, never a silent zero."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import moe_dispatch as md
+from helpers import random_routing, random_weights, rel_error
+from moe_dispatch.reference import moe_reference
+from moe_dispatch.testing.strategies import small_configs
+
+CFG = {d: md.MoEConfig(8, 2, 64, 48, dtype=d) for d in (torch.bfloat16, torch.float32)}
+
+
+def _accepting(config: md.MoEConfig) -> list[str]:
+    return [c.name for c in md.resolve(config).candidates if c.decision.accepted]
+
+
+def _layer(config: md.MoEConfig, backend: str | None, w: dict) -> md.MoELayer:
+    return md.MoELayer(config, backend=backend).load_weights(
+        w["w13"], w["w2"], w13_bias=w["w13_bias"], w2_bias=w["w2_bias"]).prepare()
+
+
+FORWARD_ONLY = [(d, b) for d, cfg in CFG.items() for b in _accepting(cfg)
+                if not md.get_registry().snapshot().by_name(b).spec.differentiable]
+
+
+@pytest.mark.parametrize(("dtype", "backend"), FORWARD_ONLY, ids=lambda v: str(v))
+@pytest.mark.parametrize("needs", ["hidden_states", "topk_weights", "weights"])
+def test_forward_only_backends_raise_in_backward(dtype, backend, needs):
+    """The residual pattern of every transformer block: without the backward node, x's
+    gradient would silently miss the experts' share."""
+    cfg = CFG[dtype]
+    w = random_weights(cfg, seed=3)
+    if needs == "weights":
+        w = {k: None if v is None else torch.nn.Parameter(v.clone()) for k, v in w.items()}
+    layer = _layer(cfg, backend, w)
+    x, tw, ids = random_routing(cfg, 5, seed=4)
+    with torch.no_grad():
+        want = layer(x, tw, ids)
+    x = x.clone().requires_grad_(needs == "hidden_states")
+    tw = tw.clone().requires_grad_(needs == "topk_weights")
+    out = layer(x, tw, ids)
+    assert out.requires_grad and torch.equal(out.detach(), want)
+    loss = (out.float() + x.float()).sum() if needs == "hidden_states" else out.float().sum()
+    with pytest.raises(md.NotDifferentiableError, match=f"backend {backend!r}.*backend='torch'"):
+        loss.backward()
+
+
+def test_no_grad_calls_take_the_native_entry_and_record_nothing():
+    cfg = CFG[torch.float32]
+    w = random_weights(cfg, seed=5)
+    entries = [b for b in _accepting(cfg) if _layer(cfg, b, w).uses_native_entry]
+    if not entries:
+        pytest.skip("no backend with a native entry accepts fp32 here")
+    x, tw, ids = random_routing(cfg, 3, seed=6)
+    x.requires_grad_(True)
+    for backend in entries:
+        layer = _layer(cfg, backend, w)
+        assert layer.plan.native(x, tw, ids) is None, backend  # grad mode: declined
+        with torch.no_grad():
+            got = layer.plan.native(x, tw, ids)
+            assert got is not None and not got.requires_grad, backend
+            assert torch.equal(layer(x, tw, ids), got)
+        with torch.inference_mode():
+            assert layer.plan.native(x, tw, ids) is not None, backend
+
+
+@settings(max_examples=25)
+@given(config=small_configs(max_hidden=48, max_inter=32, max_experts=6, dtypes=(torch.float32,)),
+       tokens=st.integers(1, 6), seed=st.integers(0, 2 ** 20))
+def test_torch_backend_gradients_match_the_float64_reference(config, tokens, seed):
+    w = {k: None if v is None else torch.nn.Parameter(v.clone())
+         for k, v in random_weights(config, seed=seed).items()}
+    layer = _layer(config, "torch", w)
+    x, tw, ids = random_routing(config, tokens, seed=seed + 1)
+    x.requires_grad_(True)
+    tw.requires_grad_(True)
+    probe = torch.randn(tokens, config.hidden_size, generator=torch.Generator().manual_seed(seed))
+    leaves = {"hidden_states": x, "topk_weights": tw, **{k: v for k, v in w.items() if v is not None}}
+    got = dict(zip(leaves, torch.autograd.grad((probe * layer(x, tw, ids)).sum(), list(leaves.values()))))
+    ref = {k: v.detach().double().requires_grad_(True) for k, v in leaves.items()}
+    out = moe_reference(config, ref["hidden_states"], ref["w13"], ref["w2"], ref["topk_weights"], ids,
+                        ref.get("w13_bias"), ref.get("w2_bias"))
+    want = dict(zip(ref, torch.autograd.grad((probe.double() * out).sum(), list(ref.values()),
+                                             allow_unused=True)))
+    for name, g in got.items():
+        if want[name] is None:  # e.g. an expert no token chose: no gradient either way
+            assert g is None or not g.any(), name
+            continue
+        assert rel_error(g, want[name]) <= 1e-5, (name, config.describe())
+
+
+def test_quantized_torch_backend_gives_the_hidden_states_gradient():
+    cfg = md.MoEConfig(8, 2, 64, 48, dtype=torch.float32, weight_scheme=md.QuantScheme("int8"))
+    w = random_weights(md.MoEConfig(8, 2, 64, 48, dtype=torch.float32), seed=7)
+    qe = md.quantize_experts(w["w13"], w["w2"], cfg.weight_scheme)
+    layer = md.MoELayer(cfg, backend="torch").load_weights(qe).prepare()
+    x, tw, ids = random_routing(cfg, 4, seed=8)
+    x.requires_grad_(True)
+    (g,) = torch.autograd.grad(layer(x, tw, ids).sum(), [x])
+    w13, w2 = qe.dequantize()
+    ref_x = x.detach().double().requires_grad_(True)
+    (want,) = torch.autograd.grad(moe_reference(cfg, ref_x, w13, w2, tw, ids).sum(), [ref_x])
+    assert rel_error(g, want) <= 1e-5
+
+
+def test_compiled_layer_raises_in_backward_too():
+    cfg = CFG[torch.float32]
+    w = random_weights(cfg, seed=9)
+    layer = _layer(cfg, None, w)
+    x, tw, ids = random_routing(cfg, 3, seed=10)
+    x.requires_grad_(True)
+    fn = torch.compile(lambda a, b, c: layer(a, b, c), fullgraph=True, backend="eager")
+    out = fn(x, tw, ids)
+    with pytest.raises(Exception, match="backward"):
+        (out + x).sum().backward()
