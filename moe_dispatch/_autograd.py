@@ -27,27 +27,33 @@ grad_enabled = torch.is_grad_enabled
 
 
 def wants_grad(hidden_states: torch.Tensor, topk_weights: torch.Tensor,
-               weights: Iterable[torch.Tensor]) -> bool:
-    """Whether autograd would record this call (the caller checked the types)."""
+               weights: Callable[[], Iterable[torch.Tensor]]) -> bool:
+    """Whether autograd would record this call (the caller checked the types); ``weights``
+    is asked last, only when the inputs need no gradient."""
     return grad_enabled() and (hidden_states.requires_grad or topk_weights.requires_grad
-                                or any(w.requires_grad for w in weights))
+                                or any(w.requires_grad for w in weights()))
 
 
-def run_recorded(plan: ExecutionPlan, run_checked: Callable[..., torch.Tensor],
+def run_recorded(plan_of: Callable[[], ExecutionPlan], run_checked: Callable[..., torch.Tensor],
                  hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor) -> torch.Tensor:
-    """A call that needs gradients, through the layer's checked path ``run_checked``."""
-    route = plan.route_for(hidden_states.shape[0]) if hidden_states.ndim == 2 else plan.route
-    if route.record.spec.differentiable:
+    """A call that needs gradients, through the layer's checked path ``run_checked``;
+    ``plan_of()``: the layer's plan now (a run-time fallback swaps it)."""
+    tokens = hidden_states.shape[0] if hidden_states.ndim == 2 else 1
+    if plan_of().route_for(max(tokens, 1)).record.spec.differentiable:
         out = run_checked(hidden_states, topk_weights, topk_ids)
-        if out.requires_grad:
+        if out.requires_grad or tokens == 0:
             return out
-        # It fell back to another backend at run time: that one's output has no graph.
     else:
         with torch.no_grad():
             out = run_checked(hidden_states, topk_weights, topk_ids)
+    if tokens == 0 or torch._C._get_tracing_state():
+        # Nothing to differentiate; a trace records torch ops only (and must stay savable).
+        return out
+    # The route that ran (a fallback may have replaced the one asked).
+    route = plan_of().route_for(tokens)
     return forward_only(out, f"an MoELayer call that ran on backend {route.name!r}", hidden_states,
-                        topk_weights, plan.canonical.live())
+                        topk_weights, plan_of().canonical.live())
 
 
 def forward_only(out: torch.Tensor, backend: str, hidden_states: torch.Tensor,
@@ -62,7 +68,7 @@ def forward_only(out: torch.Tensor, backend: str, hidden_states: torch.Tensor,
         "gradient would reach the hidden states, the router weights or the expert weights. "
         "For inference call the model under torch.no_grad() or torch.inference_mode(); "
         + (way_out or "to train through the experts, force backend='torch' (its per-expert "
-           "loop is differentiable)"))
+           "loop is differentiable) and run the layer eagerly"))
     return _ForwardOnly.apply(message, out, *needing)
 
 
@@ -70,7 +76,9 @@ class _ForwardOnly(torch.autograd.Function):
     @staticmethod
     def forward(ctx, message: str, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
         ctx.message = message
-        return out.view_as(out)  # a new tensor object: autograd attaches this node to it
+        # A new tensor object (autograd attaches this node to it), not a view: the caller may
+        # write the output in place (out += shared_expert(x)).
+        return out.detach()
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> None:

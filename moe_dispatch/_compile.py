@@ -56,6 +56,40 @@ def _(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     return hidden_states.new_empty(hidden_states.shape)
 
 
+# Backward: an op that raises when it runs. Why not raise in the autograd formula itself:
+# AOTAutograd traces the backward when it compiles a graph whose inputs require grad, so a
+# formula that raises would fail the forward's compilation (inference in grad mode, as a
+# plain model call runs); the op's fake kernel lets the trace through, and only a real
+# backward raises. (Without any formula the compile fails the same way.)
+@torch.library.custom_op("moe_dispatch::no_backward", mutates_args=())
+def no_backward(grad: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from ._errors import NotDifferentiableError
+    raise NotDifferentiableError(
+        "backward through moe_dispatch::moe_forward, an MoELayer under torch.compile: the "
+        "compiled layer is one op that computes the forward only, so no gradient would reach "
+        "the hidden states, the router weights or the expert weights. For inference call the "
+        "model under torch.no_grad() or torch.inference_mode(); to train through the experts, "
+        "run the layer eagerly with backend='torch'")
+
+
+@no_backward.register_fake
+def _(grad: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return grad.new_empty(grad.shape), topk_weights.new_empty(topk_weights.shape)
+
+
+def _save_router_weights(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(inputs[1])
+
+
+def _backward(ctx, grad: torch.Tensor) -> tuple:
+    (topk_weights,) = ctx.saved_tensors
+    grad_x, grad_tw = torch.ops.moe_dispatch.no_backward(grad, topk_weights)
+    return grad_x, grad_tw, None, None
+
+
+moe_forward.register_autograd(_backward, setup_context=_save_router_weights)
+
+
 def moe_experts(layer: _Runs, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
     """Functional entry point: ``layer``'s experts on one batch; traceable by torch.compile."""

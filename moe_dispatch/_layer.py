@@ -263,8 +263,9 @@ class MoELayer(torch.nn.Module):
         plan = self._plan
         if (_grad_enabled() and plan is not None and isinstance(hidden_states, _Tensor)
                 and isinstance(topk_weights, _Tensor)
-                and wants_grad(hidden_states, topk_weights, plan.canonical.live())):
-            return run_recorded(plan, self._run_checked, hidden_states, topk_weights, topk_ids)
+                and wants_grad(hidden_states, topk_weights, plan.canonical.live)):
+            return run_recorded(self._current_plan, self._run_checked, hidden_states,
+                                topk_weights, topk_ids)
         if plan is not None and plan.watched and type(hidden_states) is _Tensor \
                 and type(topk_weights) is _Tensor and type(topk_ids) is _Tensor:
             shape = hidden_states.shape
@@ -289,6 +290,10 @@ class MoELayer(torch.nn.Module):
                     check_forward(self.config, hidden_states, topk_weights, topk_ids)
                     return self._fall_back(route.record, exc, hidden_states, topk_weights, topk_ids)
         return self._run_checked(hidden_states, topk_weights, topk_ids)
+
+    def _current_plan(self) -> ExecutionPlan:
+        assert self._plan is not None
+        return self._plan
 
     def _run_checked(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor) -> torch.Tensor:

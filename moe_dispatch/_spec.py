@@ -104,8 +104,11 @@ class BackendBase:
         every call that is not exactly: three ``torch.Tensor`` (not subclasses), dense,
         on the CPU; ``hidden_states`` 2-D ``[T, H]`` with T > 0 and the config's dtype;
         the other two ``[T, top_k]``; every id in ``[0, num_experts)``; ``guard``'s
-        versions unchanged; and every call while ``torch.jit.trace`` is tracing
-        (``torch._C._get_tracing_state()``; the toolkit's ``PlainCall::check`` does it).
+        versions unchanged; every call while ``torch.jit.trace`` is tracing
+        (``torch._C._get_tracing_state()``); and every call autograd would record (grad
+        mode on, and ``hidden_states``, ``topk_weights`` or a guarded tensor requires
+        grad: the layer's Python path gives it exact gradients or a backward that raises).
+        The toolkit's ``PlainCall::check`` does all of it; the layer does not check again.
         Exceptions it raises are treated as a kernel failure.
         Worth it only when the Python around the kernel is measurable (it is at decode:
         docs/performance.md).

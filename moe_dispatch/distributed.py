@@ -9,12 +9,14 @@ Python objects cross ranks (tensors only: nothing is pickled).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ._config import PLACEMENTS, SUPPORTED_DTYPES, Activation, MoEConfig
+from ._autograd import forward_only, wants_grad
 from ._errors import MoEDispatchError
 from ._quant import KINDS
 from ._expert_parallel import ExpertParallelLayer
@@ -109,12 +111,23 @@ def ep_forward(layer: ExpertParallelLayer, hidden_states: torch.Tensor, topk_wei
     error on any rank raises on every rank.
     """
     partial, error = None, None
+    # autograd records neither the in-place all-reduce nor the other ranks' experts: a
+    # gradient would hold this rank's share only (moe_dispatch/_autograd.py).
+    recorded = (isinstance(hidden_states, torch.Tensor) and isinstance(topk_weights, torch.Tensor)
+                and wants_grad(hidden_states, topk_weights, lambda: ()))
     try:
-        partial = layer(hidden_states, topk_weights, topk_ids)
+        with torch.no_grad() if recorded else contextlib.nullcontext():
+            partial = layer(hidden_states, topk_weights, topk_ids)
     except MoEDispatchError as exc:
         error = exc
     _agree(error, group, "the expert-parallel forward")
     assert partial is not None
     total = partial.to(torch.float32)  # already float32: ExpertParallelLayer's contract
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-    return total.to(hidden_states.dtype)
+    out = total.to(hidden_states.dtype)
+    if recorded:
+        return forward_only(out, "an expert-parallel forward (ep_forward)", hidden_states,
+                            topk_weights, (), why="its all-reduce of the ranks' partial sums "
+                            "is not recorded by autograd", way_out="to train through the "
+                            "experts, run them without expert parallelism with backend='torch'")
+    return out

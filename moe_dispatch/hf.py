@@ -61,19 +61,21 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
                     top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ExpertsInterface function: ``[T, H]`` tokens, ``[T, K]`` ids and weights."""
     layer = layer_for(module)
-    out = layer(hidden_states, top_k_weights.to(torch.float32), top_k_index.to(torch.int32))
-    if grad_enabled():
-        # The layer reads detached views of the parameters: their gradients would be
-        # silently missing, whatever the backend (moe_dispatch/_autograd.py).
-        params = [p for p in module._parameters.values() if p is not None and p.requires_grad]
-        if params:
-            return forward_only(
-                out, "moe-dispatch's transformers experts function", hidden_states,
-                top_k_weights, params,
-                why="it reads the experts' parameters as detached views",
-                way_out="to train, switch the model to experts_implementation='eager' or "
-                        "'grouped_mm'")
-    return out
+    tw, ids = top_k_weights.to(torch.float32), top_k_index.to(torch.int32)
+    # The layer reads detached views of the parameters: their gradients would be silently
+    # missing, whatever the backend, so such a call runs without autograd and its backward
+    # raises (moe_dispatch/_autograd.py).
+    params = [p for p in module._parameters.values() if p is not None and p.requires_grad] \
+        if grad_enabled() else ()
+    if not params:
+        return layer(hidden_states, tw, ids)
+    with torch.no_grad():
+        out = layer(hidden_states, tw, ids)
+    return forward_only(out, "moe-dispatch's transformers experts function", hidden_states,
+                        top_k_weights, params,
+                        why="it reads the experts' parameters as detached views",
+                        way_out="to train, switch the model to experts_implementation='eager' "
+                                "or 'grouped_mm'")
 
 
 def _family(module: torch.nn.Module) -> str:

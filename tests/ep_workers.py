@@ -54,6 +54,15 @@ def parity_worker(rank, world, port, outdir):
             results[key] = dict(backend=layer.backend, local=mine,
                                 expected=md.resolve(config.local_config()).backend,
                                 explain_has_rank=f"rank {rank} of {world}" in layer.explain())
+        # Grad mode: the all-reduce is not recorded, so backward must raise, not give x this
+        # rank's share of its gradient.
+        xg = x.clone().requires_grad_(True)
+        out = ep_forward(layer, xg, tw, ids)
+        try:
+            (out.float() + xg.float()).sum().backward()
+            results["grad"] = "backward ran"
+        except md.NotDifferentiableError:
+            results["grad"] = "raised"
     except Exception:
         results["error"] = traceback.format_exc()
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as fh:

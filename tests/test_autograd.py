@@ -3,6 +3,8 @@ differentiable backend, a backward that raises on every other, never a silent ze
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -108,13 +110,61 @@ def test_quantized_torch_backend_gives_the_hidden_states_gradient():
     assert rel_error(g, want) <= 1e-5
 
 
-def test_compiled_layer_raises_in_backward_too():
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_compiled_layer_runs_in_grad_mode_and_raises_in_backward(compiler):
+    """aot_eager traces the backward while it compiles: without the op's autograd rule the
+    forward itself failed to compile whenever the hidden states required grad."""
     cfg = CFG[torch.float32]
     w = random_weights(cfg, seed=9)
     layer = _layer(cfg, None, w)
     x, tw, ids = random_routing(cfg, 3, seed=10)
+    with torch.no_grad():
+        want = layer(x, tw, ids)
     x.requires_grad_(True)
-    fn = torch.compile(lambda a, b, c: layer(a, b, c), fullgraph=True, backend="eager")
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a, b, c: layer(a, b, c), fullgraph=True, backend=compiler)
     out = fn(x, tw, ids)
-    with pytest.raises(Exception, match="backward"):
+    assert torch.equal(out.detach(), want)
+    with pytest.raises(md.NotDifferentiableError, match="torch.compile"):
         (out + x).sum().backward()
+
+
+def _forward_only_backend(config: md.MoEConfig) -> str:
+    names = [n for d, n in FORWARD_ONLY if d == config.dtype]
+    if not names:
+        pytest.skip("every accepting backend here is differentiable")
+    return names[0]
+
+
+def test_output_of_a_recorded_call_can_be_written_in_place():
+    """out += shared_expert(x), as models with shared experts do."""
+    cfg = CFG[torch.float32]
+    layer = _layer(cfg, _forward_only_backend(cfg), random_weights(cfg, seed=11))
+    x, tw, ids = random_routing(cfg, 4, seed=12)
+    x.requires_grad_(True)
+    out = layer(x, tw, ids)
+    out += x
+    with pytest.raises(md.NotDifferentiableError):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("backend", ["torch", "forward-only"])
+def test_empty_batches_in_grad_mode_backpropagate(backend):
+    cfg = CFG[torch.float32]
+    name = backend if backend == "torch" else _forward_only_backend(cfg)
+    layer = _layer(cfg, name, random_weights(cfg, seed=13))
+    x = torch.randn(0, cfg.hidden_size, requires_grad=True)
+    out = layer(x, torch.zeros(0, cfg.top_k), torch.zeros(0, cfg.top_k, dtype=torch.int32))
+    (out + x).sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+
+
+def test_jit_trace_of_a_recorded_call_stays_savable(tmp_path):
+    cfg = CFG[torch.float32]
+    layer = _layer(cfg, _forward_only_backend(cfg), random_weights(cfg, seed=14))
+    x, tw, ids = random_routing(cfg, 4, seed=15)
+    x.requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tracing warnings
+        traced = torch.jit.trace(layer, (x, tw, ids), check_trace=False)
+    torch.jit.save(traced, str(tmp_path / "layer.pt"))

@@ -119,6 +119,7 @@ def test_gloo_ranks_match_single_process_and_reference(world, tmp_path):
     results = _spawn(ep_workers.parity_worker, world, tmp_path)
     for r, res in enumerate(results):
         assert "error" not in res, res.get("error")
+        assert res.pop("grad") == "raised"
     for key in results[0]:
         dtype_name, bias, placement = key.split("-")
         dtype = getattr(torch, dtype_name)

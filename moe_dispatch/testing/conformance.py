@@ -144,6 +144,13 @@ def test_native_entry_agrees_with_the_python_path(moe_backend, backend_machines,
         warnings.simplefilter("ignore")
         torch.jit.trace(lambda *a: taken.append(entry(*a)) or a[0] * 1, plain, check_trace=False)
     assert taken == [None], "the entry took a call inside torch.jit.trace"
+    # a call that autograd would record through a canonical weight must be declined
+    if w["w13"].is_floating_point():
+        w["w13"].requires_grad_(True)
+        try:
+            assert entry(*plain) is None, "the entry took a call while a weight requires grad"
+        finally:
+            w["w13"].requires_grad_(False)
     # a caller's in-place change to the canonical weights must be declined
     w["w2"].add_(0.0)
     assert entry(*args) is None, "the entry took a call after the weights changed in place"
