@@ -11,10 +11,12 @@ starts on cold caches as decode does in a real model):
 - int8 (per channel), int4 g128 and int4 g32 (GGUF Q4_0's blocks), quantized from the same
   float weights: the native kernel forced, every other accepting quantized backend forced,
   and the default.
-Printed per row: ms per call; the native kernel's effective bandwidth on the active weight
-bytes (bytes of one expert x distinct experts of the call / time) as a share of this run's
-DRAM read ceiling (a 1 GiB ``torch.sum``); and its speed-up over the fastest other bf16
-candidate (for bf16: over the fastest other candidate).
+Printed per row: ms per call; the DRAM read (a cold 64 MiB ``torch.sum`` timed in the same
+rounds, ``bench_perf.DramRead``) in GB/s, on all threads and on one (on this VM the two
+can be equal: the vCPUs then share one core's bandwidth); the native kernel's effective
+bandwidth on the active weight bytes (bytes of one expert x distinct experts of the round's
+call / time) as a share of the same round's read, median over rounds; and its speed-up over
+the fastest other bf16 candidate (for bf16: over the fastest other candidate).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from moe_dispatch._timing import CacheFlush, time_rounds
 from moe_dispatch.testing import random_inputs
 
 from bench_backends import CONFIGS, raw_kernels
-from bench_perf import read_gbs
+from bench_perf import DramRead
 
 SCHEMES = {"int8": md.QuantScheme("int8"), "int4g128": md.QuantScheme("int4", group_size=128),
            "int4g32": md.QuantScheme("int4", group_size=32)}  # g32: GGUF Q4_0's blocks
@@ -49,10 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", default="1,2,4,8")
     p.add_argument("--reps", type=int, default=15)
     args = p.parse_args(argv)
-    dram = read_gbs()
-    print(f"machine: {md.Capabilities.detect().fingerprint()}, {torch.get_num_threads()} threads; "
-          f"DRAM read ceiling (1 GiB fp32 sum) {dram:.1f} GB/s\n")
-    flush = CacheFlush()
+    print(f"machine: {md.Capabilities.detect().fingerprint()}, {torch.get_num_threads()} threads\n")
+    flush, read = CacheFlush(), DramRead()
     for cname in args.config:
         shape = CONFIGS[cname]
         cfg = md.MoEConfig(**shape, dtype=torch.bfloat16)
@@ -74,23 +74,28 @@ def main(argv: list[str] | None = None) -> int:
         names = list(fns)
         print(f"### {cname}: {cfg.describe()}\n")
         formats = " / ".join(["bf16", *SCHEMES])
-        print("| T | " + " | ".join(names) + f" | native {formats}: % of DRAM read | "
+        print("| T | " + " | ".join(names) + " | DRAM read GB/s (all threads / one) | "
+              f"native {formats}: % of DRAM read | "
               "native bf16 over the fastest other candidate | "
               f"native {' / '.join(SCHEMES)} over the fastest bf16 |")
-        print("|" + " ---: |" * (len(names) + 4))
+        print("|" + " ---: |" * (len(names) + 5))
         for tokens in [int(t) for t in args.tokens.split(",")]:
             inputs = random_inputs(cfg, tokens, pool=8, seed=tokens)
-            samples = time_rounds(fns, inputs, args.reps, warmup=2, seed=tokens, between=flush)
+            samples = time_rounds({**fns, "read": read, "read1": read.one_thread}, inputs, args.reps,
+                                  warmup=2, seed=tokens, between=flush)
             med = {n: statistics.median(v) for n, v in samples.items()}
-            active = statistics.mean(len(torch.unique(ids)) for _, _, ids in inputs)
-            share = {f: active * per_expert[f] / (med[f"{f} native"] / 1e3) / 1e9 / dram * 100
+            # Round r ran inputs[r % pool] (time_rounds): its distinct experts are its bytes.
+            active = [len(torch.unique(inputs[r % len(inputs)][2])) for r in range(args.reps)]
+            share = {f: read.shares(samples[f"{f} native"], samples["read"],
+                                    [a * per_expert[f] for a in active])
                      for f in per_expert if f"{f} native" in med}
             bf16_other = min(v for n, v in med.items() if n.startswith("bf16 ") and n != "bf16 native"
                              and n != "bf16 default")
             bf16_best = min(v for n, v in med.items() if n.startswith("bf16 ") and n != "bf16 default")
             ratio = bf16_other / med["bf16 native"] if "bf16 native" in med else float("nan")
             q = " / ".join(f"{bf16_best / med[f'{s} native']:.2f}x" for s in SCHEMES if f"{s} native" in med)
-            print(f"| {tokens} | " + " | ".join(f"{med[n]:.2f}" for n in names) + " | "
+            print(f"| {tokens} | " + " | ".join(f"{med[n]:.2f}" for n in names)
+                  + f" | {read.nbytes / med['read'] / 1e6:.1f} / {read.nbytes / med['read1'] / 1e6:.1f} | "
                   + " / ".join(f"{share[f]:.0f}%" for f in share) + f" | {ratio:.2f}x | {q} |", flush=True)
         print()
         del fns, forced

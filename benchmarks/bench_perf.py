@@ -35,6 +35,7 @@ import torch
 
 import moe_dispatch as md
 from moe_dispatch._timing import CacheFlush, paired_ratio, time_pairs, time_rounds
+from moe_dispatch.kernels import large_zeros
 from moe_dispatch.testing import random_inputs, random_weights
 
 from bench_backends import raw_kernels
@@ -77,6 +78,44 @@ def read_gbs() -> float:
         big.sum()
         ts.append(time.perf_counter() - t0)
     return big.numel() * 4 / statistics.median(ts) / 1e9
+
+
+class DramRead:
+    """A candidate of the timed rounds that reads 64 MiB of fp32 (``torch.sum``), in huge
+    pages where the backends' weights get them (``large_zeros``), ignoring its arguments.
+
+    Why in the rounds: this VM's read speed moves 10-20% between runs and within one (a
+    1 GiB read at the start of a run gave 27.7 GB/s while the kernels then streamed 45), so
+    a share of "the DRAM read" is only a measurement when the read runs cold in the same
+    rounds as the kernel, and each round's kernel is set against that round's read
+    (:meth:`shares`). ``torch.sum`` reads as fast as a hand-written loop here: one process,
+    64 MiB, cold, 21 rounds on a Zen 4, 34.1 GB/s against 34.2-34.7 for AVX2 loads with and
+    without software prefetch, one or two streams per thread."""
+
+    nbytes = 64 << 20
+
+    def __init__(self) -> None:
+        self._buffer = large_zeros((self.nbytes // 4,), torch.float32)
+        self._buffer.uniform_(-1.0, 1.0)  # never time on zeros
+
+    def __call__(self, *_args: object) -> None:
+        self._buffer.sum()
+
+    def one_thread(self, *_args: object) -> None:
+        """The same read on one thread. Why: this VM's two vCPUs sometimes read at one
+        core's speed together (2 threads ~= 1 thread, 30-34 GB/s on a Zen 4) and sometimes
+        at two cores' (55-60 GB/s), and a kernel's share of the read depends on which."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            self._buffer.sum()
+        finally:
+            torch.set_num_threads(threads)
+
+    def shares(self, kernel_ms: list[float], read_ms: list[float], kernel_bytes: list[float]) -> float:
+        """Median over rounds of the kernel's bytes per second over the read's, in %."""
+        return statistics.median(b / k / (self.nbytes / r) * 100
+                                 for k, r, b in zip(kernel_ms, read_ms, kernel_bytes))
 
 
 def overhead(layer: md.MoELayer, raw, config: md.MoEConfig, pairs: int = 1000) -> float:
