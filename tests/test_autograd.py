@@ -165,6 +165,6 @@ def test_jit_trace_of_a_recorded_call_stays_savable(tmp_path):
     x, tw, ids = random_routing(cfg, 4, seed=15)
     x.requires_grad_(True)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # tracing warnings
+        warnings.simplefilter("ignore")  # tracing warnings, and torch.jit.save's deprecation
         traced = torch.jit.trace(layer, (x, tw, ids), check_trace=False)
-    torch.jit.save(traced, str(tmp_path / "layer.pt"))
+        torch.jit.save(traced, str(tmp_path / "layer.pt"))

@@ -34,8 +34,8 @@ __all__ = ["MACHINES", "TOLERANCE", "machine", "machines_for", "random_inputs", 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """Relative Frobenius error of ``got`` against ``want``, in float64."""
-    want = want.to(torch.float64)
-    return float((got.to(torch.float64) - want).norm()) / max(float(want.norm()), 1e-30)
+    want = want.detach().to(torch.float64)
+    return float((got.detach().to(torch.float64) - want).norm()) / max(float(want.norm()), 1e-30)
 
 
 def random_routing(config: MoEConfig, tokens: int, seed: int = 0
