@@ -168,3 +168,11 @@ def test_jit_trace_of_a_recorded_call_stays_savable(tmp_path):
         warnings.simplefilter("ignore")  # tracing warnings, and torch.jit.save's deprecation
         traced = torch.jit.trace(layer, (x, tw, ids), check_trace=False)
         torch.jit.save(traced, str(tmp_path / "layer.pt"))
+
+
+def test_differentiable_must_be_a_bool():
+    from moe_dispatch_backends import torch_loop
+
+    with pytest.raises(TypeError, match="differentiable"):
+        md.BackendSpec("x", 1, torch_loop.TorchLoopBackend(), differentiable="yes")
+    assert md.get_registry().snapshot().by_name("torch").spec.differentiable
