@@ -40,10 +40,18 @@ def run_recorded(plan_of: Callable[[], ExecutionPlan], run_checked: Callable[...
     """A call that needs gradients, through the layer's checked path ``run_checked``;
     ``plan_of()``: the layer's plan now (a run-time fallback swaps it)."""
     tokens = hidden_states.shape[0] if hidden_states.ndim == 2 else 1
-    if plan_of().route_for(max(tokens, 1)).record.spec.differentiable:
+
+    def differentiable() -> bool:
+        return plan_of().route_for(max(tokens, 1)).record.spec.differentiable
+
+    if differentiable():
         out = run_checked(hidden_states, topk_weights, topk_ids)
-        if out.requires_grad or tokens == 0:
+        # A run-time fallback runs the new plan through the layer's Python path, and so
+        # through this function again; checking the route once more costs nothing and keeps
+        # a graph that a non-differentiable route made from being trusted.
+        if tokens == 0 or (out.requires_grad and differentiable()):
             return out
+        out = out.detach()
     else:
         with torch.no_grad():
             out = run_checked(hidden_states, topk_weights, topk_ids)

@@ -176,3 +176,40 @@ def test_differentiable_must_be_a_bool():
     with pytest.raises(TypeError, match="differentiable"):
         md.BackendSpec("x", 1, torch_loop.TorchLoopBackend(), differentiable="yes")
     assert md.get_registry().snapshot().by_name("torch").spec.differentiable
+
+
+class _Copying(md.BackendBase):
+    """Torch ops on its own copies of the weights: its output has a graph through the hidden
+    states, none through the caller's weights (not differentiable in the spec's sense)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+
+    def supports_config(self, config, capabilities):
+        return md.accept()
+
+    def process_weights(self, weights, capabilities):
+        return md.LayerWeights(weights.config, weights.w13.clone(), weights.w2.clone())
+
+    def apply(self, state, x, tw, ids):
+        if self.fail:
+            raise RuntimeError("kernel failed")
+        from moe_dispatch.kernels import expert_loop
+        return expert_loop(state, x, tw, ids)
+
+
+def test_a_fallback_from_the_differentiable_route_is_not_trusted_for_gradients():
+    from helpers import torch_and
+
+    cfg = md.MoEConfig(8, 2, 32, 16, dtype=torch.float32)
+    w = {k: torch.nn.Parameter(v) for k, v in random_weights(cfg, seed=16).items() if v is not None}
+    reg = torch_and(md.BackendSpec("flaky_exact", 900, _Copying(fail=True), differentiable=True),
+                    md.BackendSpec("copying", 500, _Copying()))
+    with md.use_registry(reg):
+        layer = md.MoELayer(cfg).load_weights(w["w13"], w["w2"]).prepare()
+        assert layer.backend == "flaky_exact"
+        x, tw, ids = random_routing(cfg, 4, seed=17)
+        out = layer(x, tw, ids)  # flaky_exact fails; copying takes over
+        assert layer.backend == "copying"
+        with pytest.raises(md.NotDifferentiableError, match="'copying'"):
+            out.sum().backward()
