@@ -64,12 +64,11 @@ def _(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
 @torch.library.custom_op("moe_dispatch::no_backward", mutates_args=())
 def no_backward(grad: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from ._errors import NotDifferentiableError
-    raise NotDifferentiableError(
-        "backward through moe_dispatch::moe_forward, an MoELayer under torch.compile: the "
-        "compiled layer is one op that computes the forward only, so no gradient would reach "
-        "the hidden states, the router weights or the expert weights. For inference call the "
-        "model under torch.no_grad() or torch.inference_mode(); to train through the experts, "
-        "run the layer eagerly with backend='torch'")
+    raise NotDifferentiableError.through(
+        "moe_dispatch::moe_forward, an MoELayer under torch.compile",
+        "the compiled layer is one op that computes the forward only",
+        "to train through the experts, run the layer eagerly on a backend whose spec is "
+        "differentiable (BackendSpec.differentiable)")
 
 
 @no_backward.register_fake

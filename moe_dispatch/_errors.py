@@ -71,6 +71,14 @@ class WeightsModifiedError(LayerStateError):
 class NotDifferentiableError(MoEDispatchError, RuntimeError):
     """A backward pass through a layer call whose backend computes the forward only."""
 
+    @classmethod
+    def through(cls, what: str, why: str, way_out: str) -> "NotDifferentiableError":
+        """The error for a backward through ``what``, which has no gradient because of
+        ``why``; ``way_out`` says how to train through the experts."""
+        return cls(f"backward through {what}: {why}, so no gradient would reach the hidden "
+                   "states, the router weights or the expert weights. For inference call the "
+                   f"model under torch.no_grad() or torch.inference_mode(); {way_out}")
+
 
 class KernelError(MoEDispatchError, RuntimeError):
     """A backend's kernel failed at run time and no fallback was allowed or possible."""

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ._config import PLACEMENTS, SUPPORTED_DTYPES, Activation, MoEConfig
-from ._autograd import forward_only, wants_grad
+from ._autograd import forward_only, grad_enabled, wants_grad
 from ._errors import MoEDispatchError
 from ._quant import KINDS
 from ._expert_parallel import ExpertParallelLayer
@@ -113,7 +113,8 @@ def ep_forward(layer: ExpertParallelLayer, hidden_states: torch.Tensor, topk_wei
     partial, error = None, None
     # autograd records neither the in-place all-reduce nor the other ranks' experts: a
     # gradient would hold this rank's share only (moe_dispatch/_autograd.py).
-    recorded = (isinstance(hidden_states, torch.Tensor) and isinstance(topk_weights, torch.Tensor)
+    recorded = (grad_enabled() and isinstance(hidden_states, torch.Tensor)
+                and isinstance(topk_weights, torch.Tensor)
                 and wants_grad(hidden_states, topk_weights, lambda: ()))
     try:
         with torch.no_grad() if recorded else contextlib.nullcontext():
@@ -129,5 +130,6 @@ def ep_forward(layer: ExpertParallelLayer, hidden_states: torch.Tensor, topk_wei
         return forward_only(out, "an expert-parallel forward (ep_forward)", hidden_states,
                             topk_weights, (), why="its all-reduce of the ranks' partial sums "
                             "is not recorded by autograd", way_out="to train through the "
-                            "experts, run them without expert parallelism with backend='torch'")
+                            "experts, run them without expert parallelism, on a backend whose "
+                            "spec is differentiable (BackendSpec.differentiable)")
     return out
