@@ -165,9 +165,12 @@ def test_jit_trace_of_a_recorded_call_stays_savable(tmp_path):
     x, tw, ids = random_routing(cfg, 4, seed=15)
     x.requires_grad_(True)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # tracing warnings, and torch.jit.save's deprecation
+        warnings.simplefilter("ignore")  # tracing warnings, and torch.jit.save/load's deprecation
         traced = torch.jit.trace(layer, (x, tw, ids), check_trace=False)
         torch.jit.save(traced, str(tmp_path / "layer.pt"))
+        loaded = torch.jit.load(str(tmp_path / "layer.pt"))
+    with torch.no_grad():
+        assert torch.equal(loaded(x, tw, ids), layer(x, tw, ids))
 
 
 def test_differentiable_must_be_a_bool():
