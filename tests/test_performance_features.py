@@ -150,6 +150,32 @@ def test_hooks_still_run_on_the_fast_path():
     assert torch.equal(layer(x, tw, ids), plain)
 
 
+class _WithSharedExpert(md.MoELayer):
+    def forward(self, hidden_states, topk_weights, topk_ids):
+        return super().forward(hidden_states, topk_weights, topk_ids) + hidden_states
+
+
+def test_a_replaced_or_subclassed_forward_still_runs():
+    """The fast path skips forward(): it must not for a subclass's forward, nor for an
+    instance whose forward was replaced (accelerate's hooks do that)."""
+    w = random_weights(CFG)
+    x, tw, ids = random_routing(CFG, 4, seed=3)
+    layer = md.MoELayer(CFG).load_weights(**w).prepare()
+    plain = layer(x, tw, ids)
+    calls = []
+
+    def replaced(*args):
+        calls.append(len(args))
+        return plain * 3
+
+    layer.forward = replaced
+    assert torch.equal(layer(x, tw, ids), plain * 3) and calls == [3]
+    del layer.forward  # the class's forward again, and the fast path
+    assert torch.equal(layer(x, tw, ids), plain) and calls == [3]
+    sub = _WithSharedExpert(CFG).load_weights(**w).prepare()
+    assert torch.allclose(sub(x, tw, ids), plain + x)
+
+
 def test_module_compile_in_place():
     """nn.Module.compile() (the in-place variant) goes through the custom op too."""
     torch._dynamo.reset()
