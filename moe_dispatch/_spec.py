@@ -166,6 +166,9 @@ class BackendSpec:
     autograd would record runs without it and gets a backward that raises
     :class:`NotDifferentiableError` (``_autograd.py``): its share of a gradient is never
     silently zero. Leave it False unless a test compares its gradients with the reference.
+    Computing on the caller's tensors, it also sees their in-place updates (an optimizer's
+    step): the layer checks the weights' version counters for every other backend only
+    (the conformance kit's ``test_in_place_update``).
 
     ``weight_copies``: how many copies of the layer's weights (counted in the bytes of the
     layer's format) a prepared state of this backend keeps, its kernel's own caches

@@ -96,6 +96,30 @@ def test_torch_backend_gradients_match_the_float64_reference(config, tokens, see
         assert rel_error(g, want[name]) <= 1e-5, (name, config.describe())
 
 
+def test_training_steps_through_the_torch_backend():
+    """An optimizer updates the weights in place between steps: the differentiable backend
+    computes on them, so each step runs (no WeightsModifiedError) on the updated values."""
+    config = CFG[torch.float32]
+    w = {k: None if v is None else torch.nn.Parameter(v.clone())
+         for k, v in random_weights(config, seed=5).items()}
+    layer = _layer(config, "torch", w)
+    params = [v for v in w.values() if v is not None]
+    opt = torch.optim.SGD(params, lr=0.1)
+    x, tw, ids = random_routing(config, 16, seed=6)
+    losses = []
+    for _ in range(3):
+        out = layer(x, tw, ids)
+        with torch.no_grad():
+            want = moe_reference(config, x, w["w13"], w["w2"], tw, ids, w["w13_bias"], w["w2_bias"])
+        assert rel_error(out, want) <= 1e-5
+        loss = out.square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[2] < losses[1] < losses[0]
+
+
 def test_quantized_torch_backend_gives_the_hidden_states_gradient():
     cfg = md.MoEConfig(8, 2, 64, 48, dtype=torch.float32, weight_scheme=md.QuantScheme("int8"))
     w = random_weights(md.MoEConfig(8, 2, 64, 48, dtype=torch.float32), seed=7)

@@ -15,7 +15,8 @@ import torch
 import moe_dispatch as md
 from moe_dispatch.testing.conformance import (backend_kinds, backend_machines, native_entries,  # noqa: F401
                                               test_gate_consistency, test_native_entry_agrees_with_the_python_path,
-                                              test_parity_with_reference, test_weight_ownership)
+                                              test_in_place_update, test_parity_with_reference,
+                                              test_weight_ownership)
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "examples" / "vendor_plugin"

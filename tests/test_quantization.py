@@ -215,11 +215,18 @@ def test_caller_tensors_untouched_and_in_place_updates_detected():
     layer(x, tw, ids)
     for a, b in zip(before, (qe.w13.qweight, qe.w13.scales, qe.w2.qweight, qe.w2.scales)):
         assert torch.equal(a, b)
+    snapshot = md.get_registry().snapshot()
+    copying = [c.name for c in md.resolve(cfg).candidates if c.decision.accepted
+               and not snapshot.by_name(c.name).spec.differentiable]
+    others = [md.MoELayer(cfg, backend=n).load_weights(qe).prepare() for n in copying]
     qe.w2.scales.mul_(2)  # a scale written in place after prepare()
-    with pytest.raises(md.WeightsModifiedError, match="w2.scales"):
-        layer(x, tw, ids)
-    layer.prepare()  # rebuilt from the current values
+    # The torch loop (differentiable) computes on the caller's tensors: it sees the change.
     assert rel_error(layer(x, tw, ids), _reference(cfg, qe, x, tw, ids)) <= TOLERANCE[torch.bfloat16]
+    for other in others:  # a private copy: the change is detected, never run on stale values
+        with pytest.raises(md.WeightsModifiedError, match="w2.scales"):
+            other(x, tw, ids)
+        other.prepare()  # rebuilt from the current values
+        assert rel_error(other(x, tw, ids), _reference(cfg, qe, x, tw, ids)) <= 3e-2, other.backend
 
 
 def test_a_quantized_layer_holds_only_the_quantized_bytes():

@@ -110,6 +110,28 @@ def test_weight_ownership(moe_backend, backend_machines, backend_kinds, draw):
         assert torch.equal(w[k].view(torch.uint8), v.view(torch.uint8)), f"{k} was modified"
 
 
+@_SETTINGS
+@given(draw=st.data())
+def test_in_place_update(moe_backend, backend_machines, backend_kinds, draw):
+    """An in-place write to the caller's weights after prepare() (an optimizer's step): a
+    differentiable backend computes on those tensors, so it gives the new result; any other
+    raises WeightsModifiedError, never a result from the old values."""
+    config, data, w, layer = _drawn_layer(moe_backend, backend_machines, backend_kinds, draw)
+    assume(config.weight_scheme is None)
+    layer.prepare()
+    x, tw, ids = random_inputs(config, data["tokens"], pool=1, seed=data["seed"])[0]
+    layer(x, tw, ids)
+    with torch.no_grad():
+        w["w13"].mul_(0.5)
+    differentiable = md.get_registry().snapshot().by_name(moe_backend).spec.differentiable
+    if not differentiable:
+        with pytest.raises(md.WeightsModifiedError):
+            layer(x, tw, ids)
+        return
+    want = moe_reference(config, x, w["w13"], w["w2"], tw, ids, w["w13_bias"], w["w2_bias"])
+    assert rel_error(layer(x, tw, ids), want) <= TOLERANCE[config.dtype], config.describe()
+
+
 @pytest.fixture(scope="module")
 def native_entries(moe_backend: str) -> None:
     backend = md.get_registry().snapshot().by_name(moe_backend).spec.backend
