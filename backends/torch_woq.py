@@ -10,7 +10,8 @@ nibble ``u``, value ``(u - z) * s`` = ``(u - 8) * s + (8 - z) * s``, so ``zero =
 rounds to bf16, a relative 2^-9, inside the bf16 tolerance. Both kernels are vectorised for
 AVX2 and AVX-512 with bf16 activations; measured on a Zen 4 (AVX-512), 8 experts of C2's w13
 at M=1: 1.0 ms each, against 6.5 ms for bf16 ``F.linear``. int8 per group of 32 is not a
-layout these kernels take: that scheme is left to the other backends.
+layout these kernels take: that scheme is left to the other backends, as are int8 layers
+whose H or I is not a multiple of 16 (the int8 kernel is wrong there, or crashes).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class _Projection:
 def _pack(t: md.QuantizedTensor, dtype: torch.dtype) -> _Projection:
     e, n, _ = t.shape
     if t.scheme.bits == 8:
-        return _Projection(tuple(t.qweight[i] for i in range(e)),
+        # The kernel reads its weight as contiguous (it raises on a transposed one).
+        return _Projection(tuple(t.qweight[i].contiguous() for i in range(e)),
                            t.scales.reshape(e, n).to(dtype).contiguous(), 0)
     g = t.scheme.group_size
     assert g is not None
@@ -90,6 +92,16 @@ class TorchWoqBackend(md.BackendBase):
         if scheme.bits == 8 and scheme.group_size is not None:
             return md.reject("int8 per group is not a layout torch's int8 kernel takes (per "
                              "output channel only)")
+        if scheme.bits == 8:
+            # Measured (torch 2.13, Zen 4): with a reduction length K that is not a multiple
+            # of 16 the int8 kernel returns garbage (relative error 1e37 at K=24 and 200,
+            # one token) or crashes the process (K=72, five tokens). K is H for w13, I for w2.
+            for field, k in (("hidden_size", config.hidden_size),
+                             ("intermediate_size", config.intermediate_size)):
+                if k % 16:
+                    return md.reject(f"{field}={k}: torch's int8 kernel needs a reduction "
+                                     "length that is a multiple of 16 (others give wrong "
+                                     "results or crash)")
         return md.accept(f"torch weight-only {scheme.describe()} matmuls per expert")
 
     def process_weights(self, weights: md.LayerWeights, capabilities: md.Capabilities) -> WoqState:

@@ -255,6 +255,21 @@ def test_torchs_weight_only_kernels_match_the_reference(scheme):
         assert rel_error(layer(x, tw, ids), _reference(cfg, qe, x, tw, ids)) <= TOLERANCE[torch.bfloat16]
 
 
+def test_column_major_quantized_weights_run_on_every_accepting_backend():
+    """A QuantizedTensor whose qweight is stored column-major is valid input: every backend
+    that accepts it gives the reference (torch's int8 kernel itself needs a contiguous one)."""
+    scheme = md.QuantScheme("int8")
+    cfg, qe, _ = _quantized_layer(scheme, e=3, h=128, i=64)
+    col = lambda q: q.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731
+    qn = md.QuantizedExperts(scheme, *(md.QuantizedTensor(scheme, col(t.qweight), t.scales, None, t.shape)
+                                       for t in (qe.w13, qe.w2)))
+    x, tw, ids = random_routing(cfg, 4, seed=2)
+    for c in md.resolve(cfg).candidates:
+        if c.decision.accepted:
+            layer = md.MoELayer(cfg, backend=c.name).load_weights(qn).prepare()
+            assert rel_error(layer(x, tw, ids), _reference(cfg, qe, x, tw, ids)) <= 3e-2, c.name
+
+
 def test_torchs_weight_only_gate():
     from moe_dispatch_backends.torch_woq import TorchWoqBackend
     caps = md.Capabilities.detect()
@@ -264,6 +279,13 @@ def test_torchs_weight_only_gate():
     d = TorchWoqBackend().supports_config(md.MoEConfig(8, 2, 64, 64, weight_scheme=md.QuantScheme(
         "int8", group_size=32)), caps)
     assert not d.accepted and "per output channel only" in d.reason
+    # torch's int8 kernel is wrong or crashes unless K (H for w13, I for w2) % 16 == 0
+    for h, i, field in ((200, 64, "hidden_size=200"), (64, 72, "intermediate_size=72")):
+        d = TorchWoqBackend().supports_config(md.MoEConfig(
+            4, 2, h, i, weight_scheme=md.QuantScheme("int8")), caps)
+        assert not d.accepted and field in d.reason and "multiple of 16" in d.reason
+    assert TorchWoqBackend().supports_config(md.MoEConfig(
+        4, 2, 208, 80, weight_scheme=md.QuantScheme("int8")), caps).accepted
     res = md.resolve(md.MoEConfig(8, 2, 64, 64))  # float weights: it is not asked
     cand = next(c for c in res.candidates if c.name == "torch_woq")
     assert "runs int4/int8 weights; this config has float weights" in cand.reason
