@@ -2,8 +2,10 @@
 
 Held strongly (``keep_canonical=True``), they stay alive so a fallback backend can be
 prepared from intact weights. Held weakly, only the backend's own copy remains once the
-caller drops its tensors. Either way the version stamp taken at ``prepare()`` tells whether
-the caller wrote to them in place since.
+caller drops its tensors. Either way the stamp taken at ``prepare()`` (each tensor's version
+counter, data pointer and dtype) tells whether the caller wrote to them in place since, or
+replaced their storage (``w.data = ...``, or ``.to()`` / ``.half()`` on a module that holds
+them as parameters: both keep the tensor object and its version).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class CanonicalWeights:
     refs: tuple[Callable[[], torch.Tensor | None], ...]
     versions: tuple[int, ...]
     strong: bool
+    ptrs: tuple[int, ...] = ()
+    dtypes: tuple[torch.dtype, ...] = ()
     # Quantized weights: the QuantizedExperts itself (strong or weak like the tensors).
     quantized: Callable[[], QuantizedExperts | None] | None = None
 
@@ -41,7 +45,9 @@ class CanonicalWeights:
         q = weights.quantized
         return cls(weights.config, tuple(n for n, _ in named), tuple(ref(t) for _, t in named),
                    tuple(t._version for _, t in named), strong,
-                   None if q is None else (lambda: q) if strong else weakref.ref(q))
+                   ptrs=tuple(t.data_ptr() for _, t in named),
+                   dtypes=tuple(t.dtype for _, t in named),
+                   quantized=None if q is None else (lambda: q) if strong else weakref.ref(q))
 
     def get(self) -> LayerWeights | None:
         """The weights, or None once the caller has released any of them (weak only)."""
@@ -64,11 +70,29 @@ class CanonicalWeights:
         """The tensors still alive, strongly or weakly held."""
         return tuple(t for t in (ref() for ref in self.refs) if t is not None)
 
-    def check_unmodified(self, backend: str) -> None:
-        """Raise :class:`WeightsModifiedError` if a live tensor was written in place."""
-        for name, ref, version in zip(self.names, self.refs, self.versions):
+    def check_unmodified(self, backend: str, live: bool = False) -> None:
+        """Raise :class:`WeightsModifiedError` if a live tensor changed dtype, or (unless the
+        backend computes on the caller's tensors: ``live``) was written in place or had its
+        storage replaced."""
+        for name, ref, version, ptr, dtype in zip(self.names, self.refs, self.versions,
+                                                  self.ptrs, self.dtypes):
             tensor = ref()
-            if tensor is not None and tensor._version != version:
+            if tensor is None:
+                continue
+            if tensor.dtype != dtype:
+                raise WeightsModifiedError(
+                    f"{name} is {tensor.dtype} now, {dtype} at prepare() (a .to() or .half() "
+                    "on a module that holds it as a parameter replaces its data); this "
+                    f"layer's config is for {dtype}: build a MoELayer for the new dtype, or "
+                    "move the weights back.")
+            if live:
+                continue
+            if tensor.data_ptr() != ptr:
+                raise WeightsModifiedError(
+                    f"{name}'s storage was replaced after prepare() (a .data assignment, or "
+                    f".to() on a module that holds it as a parameter); backend {backend!r} "
+                    "holds a copy built from the old values. Call prepare() again to rebuild it.")
+            if tensor._version != version:
                 raise WeightsModifiedError(
                     f"{name} was modified in place after prepare() (version {version} -> "
                     f"{tensor._version}); backend {backend!r} holds a copy built from "

@@ -26,6 +26,8 @@ from ._spec import BackendRecord
 from ._validation import check_forward
 from .kernels import id_range, version_of
 
+_data_ptr = _Tensor.data_ptr  # the fast path's storage check (a .data swap keeps the version)
+
 log = logging.getLogger("moe_dispatch")
 
 
@@ -148,7 +150,8 @@ class LayerCalls(torch.nn.Module):
                     and topk_weights.shape == topk_ids.shape == (shape[0], plan.top_k)
                     and topk_ids.dtype in _ID_DTYPES and topk_weights.dtype in _FLOAT_DTYPES
                     and hidden_states.is_cpu and topk_weights.is_cpu and topk_ids.is_cpu
-                    and tuple(map(version_of, plan.watched)) == plan.versions):
+                    and tuple(map(version_of, plan.watched)) == plan.versions
+                    and tuple(map(_data_ptr, plan.watched)) == plan.ptrs):
                 if plan.check_ids:
                     lo, hi = id_range(topk_ids)
                     if lo < 0 or hi >= plan.experts:
@@ -177,11 +180,10 @@ class LayerCalls(torch.nn.Module):
                                   "load_weights(...) and prepare() first")
         tokens = check_forward(self.config, hidden_states, topk_weights, topk_ids)
         route = plan.route_for(max(tokens, 1))
-        if not route.record.spec.differentiable:
-            # A differentiable backend computes on the caller's tensors themselves (that is
-            # how their gradients reach them), so it sees an in-place update, an optimizer's
-            # step included; every other backend's state was built from the old values.
-            plan.canonical.check_unmodified(route.name)
+        # A differentiable backend computes on the caller's tensors themselves (that is how
+        # their gradients reach them), so it sees an in-place update, an optimizer's step
+        # included; every other backend's state was built from the old values.
+        plan.canonical.check_unmodified(route.name, live=route.record.spec.differentiable)
         if tokens == 0:
             return hidden_states.new_empty((0, self.config.hidden_size))
         try:

@@ -80,13 +80,23 @@ class Backend(Protocol):
 class FastGuard:
     """What a backend's optional ``fast_call`` must check on every call, besides the inputs.
 
-    ``watched``: the caller's canonical weight tensors; ``versions``: their ``_version`` at
-    ``prepare()``. A changed version means the caller modified the weights in place: the
-    call must be declined (the layer's checked path then raises WeightsModifiedError).
+    ``watched``: the caller's canonical weight tensors; ``versions`` and ``data_ptrs``: their
+    ``_version`` and ``data_ptr()`` at ``prepare()``. A changed version means the caller
+    modified the weights in place, a changed data pointer that it replaced their storage
+    (``w.data = ...``, or ``.to()`` on a module holding them): either way the call must be
+    declined (the layer's checked path then raises WeightsModifiedError). ``unchanged()``
+    checks both; the C++ toolkit's ``PlainSpec`` takes the pointers itself.
     """
 
     watched: tuple[torch.Tensor, ...]
     versions: tuple[int, ...]
+    data_ptrs: tuple[int, ...] = ()
+
+    def unchanged(self) -> bool:
+        """Whether every watched tensor has its version and storage of ``prepare()``."""
+        return (tuple(t._version for t in self.watched) == self.versions
+                and (not self.data_ptrs
+                     or tuple(t.data_ptr() for t in self.watched) == self.data_ptrs))
 
 
 class BackendBase:

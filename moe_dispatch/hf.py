@@ -33,6 +33,8 @@ from ._autograd import forward_only, grad_enabled
 from ._errors import MoEDispatchError
 from ._layer import MoELayer
 from .kernels import version_of as _version_of
+
+_data_ptr = torch.Tensor.data_ptr
 from .hf_config import HF_ACTIVATIONS as _ACTIVATIONS
 
 NAME = "moe_dispatch"
@@ -141,12 +143,15 @@ def _custom_gate(module: torch.nn.Module, family: str, concatenated: bool) -> Ac
 def layer_for(module: torch.nn.Module) -> MoELayer:
     """The prepared MoELayer for an HF experts module, built once and cached on it.
 
-    Rebuilt when the module's parameters are replaced or changed in place.
+    Rebuilt when the module's parameters are replaced, changed in place, or given new data
+    (``.to()``, ``.half()``, ``p.data = ...``).
     """
     # The module's own parameters, read from _parameters: module.parameters() walks them
     # through named_members and a memo set, measured ~60 us per decode call here.
     params = [p for p in module._parameters.values() if p is not None]
-    key = (tuple(map(id, params)), tuple(map(_version_of, params)))
+    # The storage too: a .to() / .half() of the model, or a .data assignment, keeps each
+    # parameter and its version but replaces its data.
+    key = (tuple(map(id, params)), tuple(map(_version_of, params)), tuple(map(_data_ptr, params)))
     cached = getattr(module, "_moe_dispatch_layer", None)
     if cached is not None and cached[0] == key:
         return cached[1]

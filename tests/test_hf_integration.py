@@ -97,6 +97,26 @@ def test_layer_cached_and_rebuilt_after_weight_change():
     assert "_moe_dispatch_layer" not in dict(model.named_modules())  # not a submodule
 
 
+def test_layer_rebuilt_after_new_data_or_a_dtype_move():
+    """model.to(dtype) and p.data = ... keep each parameter and its version but replace its
+    data: the cached layer is rebuilt, never run on the old weights or the old dtype."""
+    model = _model("mixtral", torch.float32, impl="moe_dispatch")
+    ids = torch.randint(0, 128, (1, 4))
+    _logits(model, ids)
+    experts = next(m for m in model.modules() if hasattr(m, "_moe_dispatch_layer"))
+    first = experts._moe_dispatch_layer[1]
+    experts.down_proj.data = experts.down_proj.data * 1.5
+    after = _logits(model, ids)
+    assert experts._moe_dispatch_layer[1] is not first
+    model.set_experts_implementation("eager")
+    assert _rel(after, _logits(model, ids)) <= 1e-5
+    model.to(torch.bfloat16)
+    eager = _logits(model, ids)
+    model.set_experts_implementation("moe_dispatch")
+    assert _rel(_logits(model, ids), eager) <= 2 * TOLERANCE[torch.bfloat16]  # as the bf16 parity test
+    assert experts._moe_dispatch_layer[1].config.dtype == torch.bfloat16
+
+
 def test_unrepresentable_models_are_refused_clearly():
     model = _model("qwen3_moe", torch.float32, impl="moe_dispatch", hidden_act="relu")
     with pytest.raises(mdhf.HFIntegrationError, match=r"qwen3_moe \(Qwen3MoeExperts\).*activation 'relu'"):

@@ -60,6 +60,38 @@ def test_in_place_weight_change_is_detected_and_prepare_rebuilds():
     assert rel_error(layer(x, tw, ids), reference(CFG, weights, x, tw, ids)) <= TOLERANCE[torch.float32]
 
 
+class _Holder(torch.nn.Module):
+    """A model that owns the experts' weights as parameters and runs them through a layer."""
+
+    def __init__(self, weights: dict, backend: str | None):
+        super().__init__()
+        self.w13 = torch.nn.Parameter(weights["w13"], requires_grad=False)
+        self.w2 = torch.nn.Parameter(weights["w2"], requires_grad=False)
+        self.moe = md.MoELayer(CFG, backend=backend).load_weights(self.w13, self.w2).prepare()
+
+
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_a_dtype_move_of_the_owning_module_is_a_clear_error(backend):
+    """.half() / .to() on a module that holds the weights replaces their data (same tensors,
+    same versions): every route says so, none runs stale copies or demotes a backend."""
+    model = _Holder(random_weights(CFG), backend)
+    x, tw, ids = random_routing(CFG, 4)
+    model.moe(x, tw, ids)
+    model.half()
+    for tokens in (1, 4, 64):
+        x, tw, ids = random_routing(CFG, tokens, seed=tokens)
+        with pytest.raises(md.WeightsModifiedError, match="torch.float16 now, torch.float32 at prepare"):
+            model.moe(x, tw, ids)
+    assert model.moe.prepared and not model.moe.demotions
+    model.float()  # back to the dtype of the config: a copying route still wants prepare()
+    if backend is None:
+        with pytest.raises(md.WeightsModifiedError, match="storage was replaced"):
+            model.moe(x, tw, ids)
+        model.moe.prepare()
+    w = {"w13": model.w13, "w2": model.w2, "w13_bias": None, "w2_bias": None}
+    assert rel_error(model.moe(x, tw, ids), reference(CFG, w, x, tw, ids)) <= TOLERANCE[torch.float32]
+
+
 def test_the_differentiable_backend_sees_in_place_changes():
     weights = random_weights(CFG)
     layer = md.MoELayer(CFG, backend="torch").load_weights(**weights).prepare()

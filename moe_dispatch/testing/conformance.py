@@ -113,9 +113,10 @@ def test_weight_ownership(moe_backend, backend_machines, backend_kinds, draw):
 @_SETTINGS
 @given(draw=st.data())
 def test_in_place_update(moe_backend, backend_machines, backend_kinds, draw):
-    """An in-place write to the caller's weights after prepare() (an optimizer's step): a
-    differentiable backend computes on those tensors, so it gives the new result; any other
-    raises WeightsModifiedError, never a result from the old values."""
+    """An in-place write to the caller's weights after prepare() (an optimizer's step), or new
+    storage behind them (``w.data = ...``): a differentiable backend computes on those
+    tensors, so it gives the new result; any other raises WeightsModifiedError, never a
+    result from the old values."""
     config, data, w, layer = _drawn_layer(moe_backend, backend_machines, backend_kinds, draw)
     assume(config.weight_scheme is None)
     layer.prepare()
@@ -125,9 +126,18 @@ def test_in_place_update(moe_backend, backend_machines, backend_kinds, draw):
         w["w13"].mul_(0.5)
     differentiable = md.get_registry().snapshot().by_name(moe_backend).spec.differentiable
     if not differentiable:
-        with pytest.raises(md.WeightsModifiedError):
+        with pytest.raises(md.WeightsModifiedError, match="in place"):
+            layer(x, tw, ids)
+        # New storage, same version (w.data = ...; a module's .to() does this): detected too.
+        layer.prepare()
+        layer(x, tw, ids)
+        w["w2"].data = w["w2"].data * 0.5
+        with pytest.raises(md.WeightsModifiedError, match="storage was replaced"):
             layer(x, tw, ids)
         return
+    want = moe_reference(config, x, w["w13"], w["w2"], tw, ids, w["w13_bias"], w["w2_bias"])
+    assert rel_error(layer(x, tw, ids), want) <= TOLERANCE[config.dtype], config.describe()
+    w["w2"].data = w["w2"].data * 0.5
     want = moe_reference(config, x, w["w13"], w["w2"], tw, ids, w["w13_bias"], w["w2_bias"])
     assert rel_error(layer(x, tw, ids), want) <= TOLERANCE[config.dtype], config.describe()
 
