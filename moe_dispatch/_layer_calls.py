@@ -97,8 +97,13 @@ class LayerCalls(torch.nn.Module):
             return torch.ops.moe_dispatch.moe_forward(hidden_states, topk_weights, topk_ids,
                                                       self._handle)
         if _tracing_state():
-            # torch.jit.trace records torch ops: a native entry would be invisible to it.
-            return self._run_python(hidden_states, topk_weights, topk_ids)
+            # torch.jit.trace records torch ops: a kernel outside the dispatcher would be
+            # invisible to it (its output a constant), the routing by token count would be
+            # frozen at the traced T, and a tracer error inside a backend would look like a
+            # kernel failure. The trace records the layer's op instead, which runs the
+            # layer (every check and route) when the trace runs.
+            return torch.ops.moe_dispatch.moe_forward(hidden_states, topk_weights, topk_ids,
+                                                      self._handle)
         return self.run(hidden_states, topk_weights, topk_ids)
 
     def run(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,

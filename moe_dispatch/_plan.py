@@ -104,7 +104,9 @@ class ExecutionPlan:
         if len(natives) == 1:
             return natives[0]
         if type(hidden_states) is torch.Tensor and hidden_states.ndim == 2:
-            return natives[bucket_index(hidden_states.shape[0], len(natives))]
+            # int(): under torch.jit.trace shape[0] is a traced 0-d tensor (the entry then
+            # declines, and the layer takes its traced path).
+            return natives[bucket_index(int(hidden_states.shape[0]), len(natives))]
         return None
 
     def route_for(self, tokens: int) -> Route:
