@@ -15,6 +15,8 @@ symmetric. K is the input dimension of each projection (H for ``w13``, I for ``w
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import torch
 
@@ -195,6 +197,19 @@ def quantize(w: torch.Tensor, scheme: QuantScheme, field: str = "w") -> Quantize
     # The stored scale is the one the math uses: round it first (fp16 per group), then
     # quantize against it, so that |w - dequantized| <= scale / 2 holds for the stored scale.
     stored = scale.to(torch.float32 if scheme.group_size is None else torch.float16)
+    if not torch.isfinite(stored).all():
+        # A weight that is not finite, or a group whose scale exceeds fp16's 65504 (one
+        # weight above 65504 * top): every value of the group would dequantize to NaN.
+        bad = x.abs().amax().item()
+        limit = ""
+        if scheme.group_size is not None:
+            limit = (" (a float16 scale per group, at most 65504: " + (
+                f"max|w| of a group up to {65504 * (127 if scheme.bits == 8 else 7):g}"
+                if scheme.symmetric else f"max - min of a group up to {65504 * 15:g}")
+                + "; per-channel int8 stores float32 scales)")
+        raise InvalidArgumentError(
+            field, f"a weight of magnitude {bad:g}" if math.isfinite(bad) else "a weight that is not finite",
+            "finite weights whose scale fits its stored type" + limit)
     s = stored.to(torch.float32)
     safe = torch.where(s == 0, torch.ones_like(s), s).unsqueeze(-1)
     if scheme.symmetric:

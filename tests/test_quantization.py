@@ -289,3 +289,19 @@ def test_torchs_weight_only_gate():
     res = md.resolve(md.MoEConfig(8, 2, 64, 64))  # float weights: it is not asked
     cand = next(c for c in res.candidates if c.name == "torch_woq")
     assert "runs int4/int8 weights; this config has float weights" in cand.reason
+
+
+@pytest.mark.parametrize("scheme", [md.QuantScheme("int8"), md.QuantScheme("int4", group_size=32),
+                                    md.QuantScheme("int4", group_size=32, symmetric=False)],
+                         ids=lambda s: s.describe())
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 5e6])
+def test_weights_whose_scale_cannot_be_stored_are_refused(scheme, bad):
+    """A NaN or infinite weight, or a group beyond float16's range (fp16 scales), would
+    dequantize to NaN: quantize_experts names the field instead."""
+    w13 = torch.randn(2, 64, 64)
+    w13[1, 3, 5] = bad
+    if bad == 5e6 and scheme.group_size is None:  # float32 scales: it fits
+        assert torch.isfinite(md.quantize_experts(w13, torch.randn(2, 64, 32), scheme).dequantize()[0]).all()
+        return
+    with pytest.raises(md.InvalidArgumentError, match="w13=.*finite weights whose scale fits"):
+        md.quantize_experts(w13, torch.randn(2, 64, 32), scheme)
