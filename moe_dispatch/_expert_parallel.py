@@ -16,6 +16,7 @@ import torch
 from ._config import MoEConfig
 from ._errors import InvalidTypeError, LayerStateError
 from ._layer import MoELayer
+from ._quant import QuantizedExperts
 from ._resolution import Resolution
 from ._validation import check_forward
 
@@ -55,9 +56,11 @@ class ExpertParallelLayer(torch.nn.Module):
                      f"({config.placement}), local experts {_ranges(config.local_expert_ids)} "
                      f"of {config.num_experts}; resolved for the local config")
 
-    def load_weights(self, w13: torch.Tensor, w2: torch.Tensor, w13_bias: torch.Tensor | None = None,
+    def load_weights(self, w13: "torch.Tensor | QuantizedExperts", w2: torch.Tensor | None = None,
+                     w13_bias: torch.Tensor | None = None,
                      w2_bias: torch.Tensor | None = None) -> "ExpertParallelLayer":
-        """This rank's experts' weights, in local order (``config.w13_shape``)."""
+        """This rank's experts' weights, in local order (``config.w13_shape``): float
+        tensors, or for a quantized config one :class:`~moe_dispatch.QuantizedExperts`."""
         self.local.load_weights(w13, w2, w13_bias, w2_bias)
         return self
 

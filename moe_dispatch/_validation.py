@@ -25,6 +25,16 @@ def check_tensor(name: str, value: object, shape: tuple[int, ...], dtype: torch.
     return value
 
 
+def _held(name: str, t: torch.Tensor) -> None:
+    """A weight the layer holds: its version counter is how an in-place change is caught."""
+    if t.is_inference():
+        raise InvalidArgumentError(
+            name, "an inference tensor (made under torch.inference_mode())",
+            "a normal tensor: torch tracks no in-place change of an inference tensor, and the "
+            "layer's copies rely on that; make the weights outside inference_mode (or pass a "
+            "clone() made outside it). Calls may run under inference_mode")
+
+
 def check_weights(config: MoEConfig, w13: object, w2: object, w13_bias: object,
                   w2_bias: object) -> LayerWeights:
     """The caller's weights: float tensors for a float config, one QuantizedExperts (given
@@ -41,8 +51,8 @@ def check_weights(config: MoEConfig, w13: object, w2: object, w13_bias: object,
     if scheme is not None:
         raise InvalidTypeError("w13", w13, f"a moe_dispatch.QuantizedExperts ({scheme.describe()}): "
                                "the config has quantized weights; md.quantize_experts() makes one")
-    check_tensor("w13", w13, config.w13_shape, config.dtype)
-    check_tensor("w2", w2, config.w2_shape, config.dtype)
+    _held("w13", check_tensor("w13", w13, config.w13_shape, config.dtype))
+    _held("w2", check_tensor("w2", w2, config.w2_shape, config.dtype))
     _check_biases(config, w13_bias, w2_bias)
     return LayerWeights(config, w13, w2, w13_bias, w2_bias)  # type: ignore[arg-type]
 
@@ -58,6 +68,8 @@ def _check_quantized(config: MoEConfig, q: QuantizedExperts) -> LayerWeights:
             part = getattr(t, field)
             if part is not None and part.device.type != "cpu":
                 raise InvalidArgumentError(f"{name}.{field}", part, "a CPU tensor")
+            if part is not None:
+                _held(f"{name}.{field}", part)
     _check_biases(config, q.w13_bias, q.w2_bias)
     return LayerWeights(config, q.w13.qweight, q.w2.qweight, q.w13_bias, q.w2_bias, quantized=q)
 
@@ -69,7 +81,7 @@ def _check_biases(config: MoEConfig, w13_bias: object, w2_bias: object) -> None:
             if bias is None:
                 raise InvalidArgumentError(name, None, f"a tensor of shape {shape}: the config "
                                            "has has_bias=True")
-            check_tensor(name, bias, shape, config.dtype)
+            _held(name, check_tensor(name, bias, shape, config.dtype))
         elif bias is not None:
             raise InvalidArgumentError(name, bias, "None: the config has has_bias=False "
                                        "(build the config with has_bias=True to use biases)")

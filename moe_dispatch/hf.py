@@ -151,7 +151,10 @@ def layer_for(module: torch.nn.Module) -> MoELayer:
     params = [p for p in module._parameters.values() if p is not None]
     # The storage too: a .to() / .half() of the model, or a .data assignment, keeps each
     # parameter and its version but replaces its data.
-    key = (tuple(map(id, params)), tuple(map(_version_of, params)), tuple(map(_data_ptr, params)))
+    try:
+        key = (tuple(map(id, params)), tuple(map(_version_of, params)), tuple(map(_data_ptr, params)))
+    except RuntimeError:  # an inference tensor has no version: load_weights says so, typed
+        key = None
     cached = getattr(module, "_moe_dispatch_layer", None)
     if cached is not None and cached[0] == key:
         return cached[1]

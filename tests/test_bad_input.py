@@ -30,6 +30,11 @@ def _with(name, value):
 
 
 # (id, callable, expected error type, argument named in the message)
+def _under_inference_mode(w: dict) -> dict:
+    with torch.inference_mode():
+        return {k: None if v is None else v.clone() for k, v in w.items()}
+
+
 CASES = [
     ("experts_zero", lambda: md.MoEConfig(0, 1, 8, 8), md.InvalidArgumentError, "num_experts"),
     ("hidden_negative", lambda: md.MoEConfig(4, 1, -8, 8), md.InvalidArgumentError, "hidden_size"),
@@ -75,6 +80,8 @@ CASES = [
     ("resolve_bad_caps", lambda: md.resolve(CFG, capabilities="zen4"), md.InvalidTypeError, "capabilities"),
     ("resolve_unknown_backend", lambda: md.resolve(CFG, backend="cuda"), md.UnknownBackendError, "cuda"),
     ("exclude_not_names", lambda: md.resolve(CFG, exclude=[1, 2]), md.InvalidTypeError, "exclude"),
+    ("weights_inference_tensor", lambda: md.MoELayer(CFG).load_weights(
+        **_under_inference_mode(W)), md.InvalidArgumentError, "w13='an inference tensor"),
 ]
 
 

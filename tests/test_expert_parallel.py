@@ -90,6 +90,23 @@ def test_single_process_sum_of_ranks_matches(dtype):
         layer(x[:1], tw[:1], remote + 7)  # 10 is owned by no rank
 
 
+def test_quantized_experts_load_as_one_argument():
+    """load_weights(quantized_experts), as MoELayer takes it: the ranks' sum is the layer's."""
+    scheme = md.QuantScheme("int8")
+    full = md.MoEConfig(6, 2, 64, 32, dtype=torch.bfloat16, weight_scheme=scheme)
+    w = random_weights(md.MoEConfig(6, 2, 64, 32))
+    x, tw, ids = random_routing(full, 5)
+    whole = md.MoELayer(full, backend="torch").load_weights(
+        md.quantize_experts(w["w13"], w["w2"], scheme)).prepare()(x, tw, ids)
+    total = torch.zeros(5, 64, dtype=torch.float32)
+    for r in range(2):
+        cfg = md.MoEConfig(6, 2, 64, 32, dtype=torch.bfloat16, weight_scheme=scheme, ep_size=2, ep_rank=r)
+        sel = list(cfg.local_expert_ids)
+        qe = md.quantize_experts(w["w13"][sel], w["w2"][sel], scheme)
+        total += md.ExpertParallelLayer(cfg, backend="torch").load_weights(qe).prepare()(x, tw, ids)
+    assert rel_error(total, whole) <= TOLERANCE[torch.bfloat16]
+
+
 def test_moe_layer_and_resolve_refuse_an_expert_parallel_config():
     cfg = md.MoEConfig(10, 4, 64, 32, ep_size=2, ep_rank=0)
     with pytest.raises(md.InvalidArgumentError, match="ExpertParallelLayer"):
