@@ -102,6 +102,14 @@ def _projection(tensors: Mapping[str, torch.Tensor], name: str
                                    f"int32 [{n}, {k} * bits / 32]")
     bits = packed.shape[1] * 32 // k
     groups = scale.shape[1]
+    g_idx = tensors.get(f"{name}.weight_g_idx")
+    if g_idx is not None and not torch.equal(
+            g_idx.to(torch.int64), torch.arange(k, dtype=torch.int64) // max(1, k // groups)):
+        # GPTQ's activation order: column j belongs to group g_idx[j], not j // g. Read
+        # without it, the groups would be wrong and every value silently off.
+        raise InvalidArgumentError(f"{name}.weight_g_idx", "an activation-order group index",
+                                   "groups of consecutive columns (g_idx[j] == j // group_size): "
+                                   "this project's layouts have no column permutation")
     zp = tensors.get(f"{name}.weight_zero_point")
     group = None if groups == 1 and bits == 8 else k // groups
     try:

@@ -80,3 +80,23 @@ def test_mixtral_names_and_errors(tmp_path):
     odd, _ = _checkpoint(tmp_path / "g16.safetensors", 1, 64, 64, 4, 16, True)
     with pytest.raises(md.InvalidArgumentError, match="group_size=16"):
         md.experts_from_compressed_tensors(odd, PREFIX, 1)
+
+
+def test_activation_order_group_index_is_refused_and_a_trivial_one_read(tmp_path):
+    """GPTQ's act-order checkpoints carry weight_g_idx (column j in group g_idx[j]): this
+    project's layouts have none, so such a file is refused by name, never read wrong; a
+    g_idx of consecutive groups is the plain layout and reads as one."""
+    from safetensors.torch import load_file
+    path, _ = _checkpoint(tmp_path / "m.safetensors", 1, 64, 64, 4, 32, True)
+    tensors = load_file(str(path))
+    plain = md.experts_from_compressed_tensors(tensors, PREFIX, 1)
+    trivial = dict(tensors)
+    for name, k in (("gate_proj", 64), ("up_proj", 64), ("down_proj", 64)):
+        trivial[f"{PREFIX}.0.{name}.weight_g_idx"] = torch.arange(k, dtype=torch.int32) // 32
+    again = md.experts_from_compressed_tensors(trivial, PREFIX, 1)
+    assert torch.equal(again.w13.qweight, plain.w13.qweight) and torch.equal(again.w2.scales, plain.w2.scales)
+    shuffled = dict(trivial)
+    shuffled[f"{PREFIX}.0.down_proj.weight_g_idx"] = torch.randperm(
+        64, generator=torch.Generator().manual_seed(0)).to(torch.int32) // 32
+    with pytest.raises(md.InvalidArgumentError, match="down_proj.weight_g_idx"):
+        md.experts_from_compressed_tensors(shuffled, PREFIX, 1)
