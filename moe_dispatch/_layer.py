@@ -75,6 +75,43 @@ class MoELayer(LayerCalls):
         self._lock = threading.RLock()
         self._handle = register_layer(self)
 
+    # -- copies and pickles ------------------------------------------------------------
+    # A plan holds kernels' private states (native objects, prepacked and reordered copies)
+    # that neither copy nor pickle, and a layer is registered by a handle for torch.compile.
+    # So copy.deepcopy, pickle and torch.save keep nn.Module's own state, the config, the
+    # options and the caller's weights (through the copier's memo: a model's copied
+    # parameters stay shared with its copied layer), and the copy prepares its own plan
+    # when the original had one.
+    _NOT_COPIED = frozenset(("_config_resolution", "_loaded", "_plan", "_demotions", "_lock",
+                             "_handle"))
+
+    def __getstate__(self) -> dict[str, object]:
+        state = {k: v for k, v in self.__dict__.items() if k not in self._NOT_COPIED}
+        held = self._plan.canonical if self._plan is not None else self._loaded
+        weights = held.get() if held is not None else None
+        state["_copied_weights"] = None if weights is None else (
+            (weights.quantized,) if weights.quantized is not None else
+            (weights.w13, weights.w2, weights.w13_bias, weights.w2_bias))
+        state["_copied_prepared"] = self._plan is not None
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        state = dict(state)
+        weights = state.pop("_copied_weights")
+        prepared = state.pop("_copied_prepared")
+        self.__dict__.update(state)
+        o = self.options
+        self._config_resolution = resolve(self.config, backend=o.backend, exclude=o.exclude,
+                                          capabilities=o.capabilities,
+                                          max_weight_copies=o.tuning.max_weight_copies)
+        self._loaded, self._plan, self._demotions = None, None, []
+        self._lock = threading.RLock()
+        self._handle = register_layer(self)
+        if weights is not None:
+            self.load_weights(*weights)  # type: ignore[misc]
+            if prepared:
+                self.prepare()
+
     # -- loading and preparing -------------------------------------------------------
     def load_weights(self, w13: "torch.Tensor | QuantizedExperts", w2: torch.Tensor | None = None,
                      w13_bias: torch.Tensor | None = None,

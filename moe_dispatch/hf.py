@@ -165,5 +165,17 @@ def layer_for(module: torch.nn.Module) -> MoELayer:
         config, weights = describe(module)
         layer = MoELayer(config, **LAYER_OPTIONS).load_weights(**weights).prepare()
         # Plain attribute, not a submodule: it must not appear in state_dict or .parameters().
-        object.__setattr__(module, "_moe_dispatch_layer", (key, layer))
+        object.__setattr__(module, "_moe_dispatch_layer", _Cached((key, layer)))
         return layer
+
+
+class _Cached(tuple):
+    """(key, layer) cached on an experts module. A copy or a pickle of the model starts
+    without it (its parameters are new tensors: their layer is built at its first forward),
+    so copy.deepcopy(model) and torch.save(model) neither copy nor pickle a prepared layer."""
+
+    def __reduce__(self) -> tuple:
+        return (_Cached, ((None, None),))
+
+    def __deepcopy__(self, memo: dict) -> "_Cached":
+        return _Cached((None, None))

@@ -117,6 +117,22 @@ def test_layer_rebuilt_after_new_data_or_a_dtype_move():
     assert experts._moe_dispatch_layer[1].config.dtype == torch.bfloat16
 
 
+def test_a_model_with_cached_layers_copies_and_saves():
+    """copy.deepcopy(model) and torch.save(model) after a forward: the cached layer stays
+    behind (the copy builds its own at its first forward, from its own parameters)."""
+    import copy
+    import io
+    model = _model("mixtral", torch.float32, impl="moe_dispatch")
+    ids = torch.randint(0, 128, (1, 4))
+    want = _logits(model, ids)
+    clone = copy.deepcopy(model)
+    assert _rel(_logits(clone, ids), want) <= 1e-6
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    assert _rel(_logits(torch.load(buffer, weights_only=False), ids), want) <= 1e-6
+
+
 def test_unrepresentable_models_are_refused_clearly():
     model = _model("qwen3_moe", torch.float32, impl="moe_dispatch", hidden_act="relu")
     with pytest.raises(mdhf.HFIntegrationError, match=r"qwen3_moe \(Qwen3MoeExperts\).*activation 'relu'"):

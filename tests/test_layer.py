@@ -209,3 +209,36 @@ def test_forced_backend_layer_rejection_is_an_error():
         assert cand.status == "layer rejected" and "contiguous" in cand.reason
         with pytest.raises(md.BackendRejectedError, match="picky.*layer.*only contiguous"):
             md.MoELayer(CFG, backend="picky").load_weights(**random_weights(CFG)).prepare()
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_deepcopy_and_pickle_give_an_independent_layer(prepared, tmp_path):
+    """A plan's kernel states neither copy nor pickle: the copy keeps the config, options,
+    hooks and weights (a model's copied parameters stay shared with its copied layer), and
+    prepares its own plan when the original had one."""
+    import copy
+    model = _Holder(random_weights(CFG), None)
+    if not prepared:
+        model.moe.load_weights(model.w13, model.w2)  # loaded, not prepared
+    torch.save(model.moe, tmp_path / "layer.pt")  # before a hook: a lambda does not pickle
+    seen = []
+    model.moe.register_forward_hook(lambda mod, args, out: seen.append(1))
+    x, tw, ids = random_routing(CFG, 5)
+    clone = copy.deepcopy(model)
+    assert clone.moe.prepared == prepared and clone.moe._handle != model.moe._handle
+    if not prepared:
+        clone.moe.prepare()
+        model.moe.prepare()
+    with torch.no_grad():
+        clone.w2.mul_(2)  # the copy's layer holds the copy's parameters, not the original's
+    clone.moe.prepare()
+    w = {"w13": clone.w13, "w2": clone.w2, "w13_bias": None, "w2_bias": None}
+    assert rel_error(clone.moe(x, tw, ids), reference(CFG, w, x, tw, ids)) <= TOLERANCE[torch.float32]
+    assert seen == [1]  # the hook was copied
+    w = {"w13": model.w13, "w2": model.w2, "w13_bias": None, "w2_bias": None}
+    assert rel_error(model.moe(x, tw, ids), reference(CFG, w, x, tw, ids)) <= TOLERANCE[torch.float32]
+    loaded = torch.load(tmp_path / "layer.pt", weights_only=False)
+    assert loaded.prepared == prepared
+    loaded.prepare()
+    # its own tuning may route T=5 elsewhere: the reference, not bit equality
+    assert rel_error(loaded(x, tw, ids), reference(CFG, w, x, tw, ids)) <= TOLERANCE[torch.float32]
