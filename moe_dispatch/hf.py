@@ -140,6 +140,7 @@ def _custom_gate(module: torch.nn.Module, family: str, concatenated: bool) -> Ac
     return Activation.SWIGLUOAI
 
 
+@torch.compiler.disable  # built eagerly: a trace would time the tuning symbolically
 def layer_for(module: torch.nn.Module) -> MoELayer:
     """The prepared MoELayer for an HF experts module, built once and cached on it.
 

@@ -133,6 +133,23 @@ def test_a_model_with_cached_layers_copies_and_saves():
     assert _rel(_logits(torch.load(buffer, weights_only=False), ids), want) <= 1e-6
 
 
+def test_compiled_model_builds_its_layers_eagerly():
+    """Under torch.compile the layer is built outside Dynamo (a trace would time the tuning
+    and run the backends' process_weights symbolically: zentorch refused there)."""
+    torch._dynamo.reset()
+    model = _model("qwen3_moe", torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 6))
+    eager = _logits(model, ids)
+    model.set_experts_implementation("moe_dispatch")
+    compiled = torch.compile(model, backend="aot_eager")
+    assert _rel(_logits(compiled, ids), eager) <= 2 * TOLERANCE[torch.bfloat16]
+    experts = next(m for m in model.modules() if hasattr(m, "_moe_dispatch_layer"))
+    layer = experts._moe_dispatch_layer[1]
+    assert "raised" not in layer.explain(), layer.explain()
+    want = md.MoELayer(layer.config, tuning_cache=False).resolution.backend
+    assert layer.resolution.backend == want
+
+
 def test_unrepresentable_models_are_refused_clearly():
     model = _model("qwen3_moe", torch.float32, impl="moe_dispatch", hidden_act="relu")
     with pytest.raises(mdhf.HFIntegrationError, match=r"qwen3_moe \(Qwen3MoeExperts\).*activation 'relu'"):
