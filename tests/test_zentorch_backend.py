@@ -261,3 +261,29 @@ def test_zero_tokens_never_reach_the_op():
     out = layer(torch.empty(0, 64, dtype=cfg.dtype), torch.empty(0, 2),
                 torch.empty(0, 2, dtype=torch.int32))
     assert out.shape == (0, 64)
+
+
+@needs_zentorch
+@pytest.mark.parametrize("dtype", ZEN_DTYPES)
+@pytest.mark.parametrize("native", [True, False], ids=["entry", "python"])
+def test_a_thread_count_change_after_prepare(dtype, native):
+    """The op keys (and, in bf16, reorders in place) its weights for the thread count of its
+    first call: prepared at 1 thread, called at 2 or from a fresh thread, it failed closed
+    and the layer demoted it. Each call runs with the count of prepare()."""
+    import threading
+    cfg = md.MoEConfig(8, 2, 128, 256, dtype=dtype)
+    w = random_weights(cfg, seed=0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        layer = md.MoELayer(cfg, backend="zentorch").load_weights(**w).prepare()
+        x, tw, ids = random_routing(cfg, 40, seed=1)
+        want = layer.run(x, tw, ids, native=native)
+        torch.set_num_threads(2)
+        assert torch.equal(layer.run(x, tw, ids, native=native), want)
+        got = []
+        thread = threading.Thread(target=lambda: got.append(layer.run(x, tw, ids, native=native)))
+        thread.start(), thread.join()
+        assert len(got) == 1 and torch.equal(got[0], want) and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -24,6 +24,8 @@ import functools
 import importlib.metadata
 from typing import Any, Mapping
 
+import torch
+
 import moe_dispatch as md
 
 from . import _gate, _ledger, _quant, native
@@ -87,7 +89,7 @@ class ZentorchBackend(md.BackendBase):
                 b13, b2 = (own(b) if b is not None else None
                            for b in (weights.w13_bias, weights.w2_bias))
                 state = ZentorchState(config, w13, w2, b13, b2, config.activation.value, call,
-                                      s13, s2)
+                                      s13, s2, torch.get_num_threads())
                 _ledger.burn(state.w13, state.w2, state.w13_bias, state.w2_bias,
                              state.w13_scales, state.w2_scales)
                 error = warm_up_and_check(state, weights)
@@ -111,7 +113,7 @@ class ZentorchBackend(md.BackendBase):
         return module.FastCall(state.w13, state.w2, state.w13_bias, state.w2_bias, state.act,
                                c.hidden_size, c.top_k, c.num_experts, c.dtype,
                                list(guard.watched), list(guard.versions),
-                               state.w13_scales, state.w2_scales).entry()
+                               state.w13_scales, state.w2_scales, state.threads).entry()
 
     def diagnostics(self) -> Mapping[str, str]:
         version, text = library_status()

@@ -27,6 +27,9 @@ class ZentorchState:
     # Quantized weights: the scales in the op's layout (_quant); None for float weights.
     w13_scales: torch.Tensor | None = None
     w2_scales: torch.Tensor | None = None
+    # torch's thread count when the op reordered these weights (prepare()): every call runs
+    # with it (_ledger.op_caller says why).
+    threads: int = 0
     # top_k > 1 and the router weight applied after the experts: no call needs rewriting
     # for the op's single-active-expert refusal or for skip_weighted.
     plain: bool = attrs.field(init=False)
@@ -61,7 +64,8 @@ def run_op(state: ZentorchState, hidden_states: torch.Tensor, topk_weights: torc
         else:  # int32, float32, contiguous, no repeated id in a row, top_k > 1: as is
             out = torch.empty_like(hidden_states)
             state.call(out, hidden_states, state.w13, state.w2, state.w13_bias, state.w2_bias,
-                       topk_weights, topk_ids, False, state.act, state.w13_scales, state.w2_scales)
+                       topk_weights, topk_ids, False, state.act, state.w13_scales, state.w2_scales,
+                       state.threads)
             return out
     return _run_op_general(state, hidden_states, topk_weights, topk_ids)
 
@@ -96,7 +100,7 @@ def _run_op_general(state: ZentorchState, hidden_states: torch.Tensor,
             weights = torch.cat([weights, weights.new_zeros(1, 1)])
     out = torch.empty_like(x)
     state.call(out, x, state.w13, state.w2, state.w13_bias, state.w2_bias, weights, ids, skip,
-               state.act, state.w13_scales, state.w2_scales)
+               state.act, state.w13_scales, state.w2_scales, state.threads)
     return out if out.shape[0] == tokens else out[:tokens]
 
 

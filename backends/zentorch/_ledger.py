@@ -27,8 +27,34 @@ _OP_LOCK = threading.Lock()
 
 def op_caller() -> Callable[..., None]:
     """The serialised op call: ``call(out, x, w13, w2, w13_bias, w2_bias, topk_weights,
-    topk_ids, skip_weighted, act, w13_scales, w2_scales)``."""
-    return native.EXTENSION.op_caller(torch.ops.zentorch.zentorch_fused_moe.default, _OP_LOCK)
+    topk_ids, skip_weighted, act, w13_scales, w2_scales, threads)``, the op run with
+    ``threads`` threads (0: as many as torch has now). Why: the op reorders a layer's bf16
+    weights in place for the thread count of its first call and keys them by it; called
+    with another count it misses its cache, finds the raw weights gone and fails closed (a
+    torch.set_num_threads after prepare(), or a thread whose count was never set)."""
+    return native.EXTENSION.op_caller(_ThreadsPinned(torch.ops.zentorch.zentorch_fused_moe.default),
+                                      _OP_LOCK)
+
+
+class _ThreadsPinned:
+    """The op with the thread count as its last argument, for the Python path (without the
+    native module, whose ``run_op`` pins the calling thread's OpenMP count itself). Python
+    has only torch.set_num_threads, process-wide: it is set and restored under the op lock."""
+
+    def __init__(self, op: Callable[..., None]) -> None:
+        self._op = op
+
+    def __call__(self, *args: object) -> None:
+        *op_args, threads = args
+        before = torch.get_num_threads()
+        if not threads or threads == before:
+            self._op(*op_args)
+            return
+        torch.set_num_threads(int(threads))  # type: ignore[call-overload]
+        try:
+            self._op(*op_args)
+        finally:
+            torch.set_num_threads(before)
 
 
 def _addresses(t: torch.Tensor) -> set[int]:

@@ -8,7 +8,9 @@
 
 #include <moe_dispatch_fast_call.h>
 
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <omp.h>
 
 #include <mutex>
 #include <string>
@@ -45,13 +47,30 @@ const c10::TypedOperatorHandle<OpSig>& op_handle() {
 // Serialised op call without the GIL (other Python threads run meanwhile; a thread waiting
 // here holds no GIL, so there is no lock-order cycle).
 // w13_scales / w2_scales: the quantized path's scales (None for float weights).
+// The op's weight cache keys a reordered weight by the thread count of the call that
+// reordered it, in place: with another count the op misses, finds the raw weights gone and
+// fails closed (torch.set_num_threads after prepare(), or a thread whose OpenMP count was
+// never set). So the op runs with `threads` (the count at prepare(); 0: as it is), set for
+// the calling thread only (its OpenMP ICV; torch reads it through at::get_num_threads) and
+// restored after. at::get_num_threads() first: it initialises a new thread's count from
+// torch's, which would otherwise overwrite the pin inside the op.
 void call_op_locked(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w13,
                     const at::Tensor& w2, const OptTensor& b13, const OptTensor& b2,
                     const at::Tensor& tw, const at::Tensor& ids, bool skip,
-                    const std::string& act, const OptTensor& s13, const OptTensor& s2) {
+                    const std::string& act, const OptTensor& s13, const OptTensor& s2,
+                    int64_t threads) {
   py::gil_scoped_release no_gil;
   std::lock_guard<std::mutex> guard(op_mutex());
-  op_handle().call(out, x, w13, w2, b13, b2, tw, ids, skip, act, s13, s2, kOpName);
+  const int before = at::get_num_threads();
+  const bool pin = threads > 0 && threads != before;
+  if (pin) omp_set_num_threads(static_cast<int>(threads));
+  try {
+    op_handle().call(out, x, w13, w2, b13, b2, tw, ids, skip, act, s13, s2, kOpName);
+  } catch (...) {
+    if (pin) omp_set_num_threads(before);
+    throw;
+  }
+  if (pin) omp_set_num_threads(before);
 }
 
 class FastCall {
@@ -59,9 +78,9 @@ class FastCall {
   FastCall(at::Tensor w13, at::Tensor w2, OptTensor b13, OptTensor b2, std::string act,
            int64_t hidden, int64_t top_k, int64_t experts, at::ScalarType dtype,
            std::vector<at::Tensor> watched, std::vector<int64_t> versions, OptTensor s13,
-           OptTensor s2)
+           OptTensor s2, int64_t threads)
       : w13_(std::move(w13)), w2_(std::move(w2)), b13_(std::move(b13)), b2_(std::move(b2)),
-        s13_(std::move(s13)), s2_(std::move(s2)), act_(std::move(act)),
+        s13_(std::move(s13)), s2_(std::move(s2)), act_(std::move(act)), threads_(threads),
         // The op silently returns wrong numbers for an id repeated in a row; it checks the
         // range too, but its error is not the layer's typed one.
         spec_(hidden, top_k, experts, dtype, std::move(watched), std::move(versions),
@@ -77,7 +96,7 @@ class FastCall {
     if (!call) return py::none();
     at::Tensor out = moe_dispatch::new_output(*call->x);
     call_op_locked(out, *call->x, w13_, w2_, b13_, b2_, *call->topk_weights, *call->topk_ids,
-                   false, act_, s13_, s2_);
+                   false, act_, s13_, s2_, threads_);
     return moe_dispatch::wrap(std::move(out));
   }
 
@@ -85,6 +104,7 @@ class FastCall {
   at::Tensor w13_, w2_;
   OptTensor b13_, b2_, s13_, s2_;
   std::string act_;
+  int64_t threads_;
   PlainSpec spec_;
 };
 
@@ -96,15 +116,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("w13_bias"),
         py::arg("w2_bias"), py::arg("topk_weights"), py::arg("topk_ids"),
         py::arg("skip_weighted"), py::arg("act"), py::arg("w13_scales") = py::none(),
-        py::arg("w2_scales") = py::none());
+        py::arg("w2_scales") = py::none(), py::arg("threads") = 0);
   py::class_<FastCall>(m, "FastCall")
       .def(py::init<at::Tensor, at::Tensor, OptTensor, OptTensor, std::string, int64_t,
                     int64_t, int64_t, at::ScalarType, std::vector<at::Tensor>,
-                    std::vector<int64_t>, OptTensor, OptTensor>(),
+                    std::vector<int64_t>, OptTensor, OptTensor, int64_t>(),
            py::arg("w13"), py::arg("w2"), py::arg("w13_bias"), py::arg("w2_bias"),
            py::arg("act"), py::arg("hidden"), py::arg("top_k"), py::arg("experts"),
            py::arg("dtype"), py::arg("watched"), py::arg("versions"),
-           py::arg("w13_scales") = py::none(), py::arg("w2_scales") = py::none())
+           py::arg("w13_scales") = py::none(), py::arg("w2_scales") = py::none(),
+           py::arg("threads") = 0)
       .def("entry", [](const FastCall& f) { return moe_dispatch::entry_function(f); },
            "The entry as a CPython function (the layer calls it on every plain call).");
 }
