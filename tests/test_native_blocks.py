@@ -51,8 +51,8 @@ def test_every_activation_within_the_bound_both_sides_of_sixteen_tokens(build, s
 
 @pytest.mark.parametrize("scheme", [INT8, INT8_G32, INT4_G128, INT4_G64_ZP], ids=_ids)
 def test_layers_of_model_size_hold_the_aim_and_the_avx512_build_runs_blocks(build, scheme):
-    """On layers of a model's size the error is 1.1-1.3e-2 (ERROR_BOUND is for every shape:
-    tiny single-token layers reach 2.9e-2); AIM_BOUND holds it there, on both sides of 16
+    """On layers of a model's size the error is 1.1-1.3e-2 (ERROR_BOUND is for the suite's
+    random layers of every drawn shape: tiny single-token layers reach 2.9e-2); AIM_BOUND holds it there, on both sides of 16
     tokens. And the avx512 build does run its blocks (the rows would hold the bounds too)."""
     cfg = _cfg(scheme, num_experts=8, top_k=2, hidden_size=1024, intermediate_size=512)
     layer, ref_w, _ = _layer(cfg)

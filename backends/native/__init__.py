@@ -47,7 +47,10 @@ _I32, _F32 = torch.int32, torch.float32
 # 1.1-1.3e-2, which AIM_BOUND holds the kernel to there (tests/test_native_blocks.py). The
 # error of one token's output grows as H and I shrink (fewer products average the inputs'
 # rounding): Hypothesis found 2.9e-2 on E=1 H=192 I=64 int4 g64 zero points at T=1, in both
-# builds; ERROR_BOUND is the bound for every shape.
+# builds; ERROR_BOUND holds for the test suite's random layers (moe_dispatch.testing), not
+# for any data: one value far above the rest of its group of 32 sets the group's scale and
+# leaves the others few levels (measured on E=1 T=1, weights N(0, 0.1), x N(0, 1), where
+# one intermediate unit dominated: 0.37 at H=64 I=4, 5.8e-2 at H=512 I=32; 2e-2 at I=64).
 ERROR_BOUND = 3e-2
 AIM_BOUND = 1.6e-2
 
