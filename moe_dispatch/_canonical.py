@@ -3,9 +3,14 @@
 Held strongly (``keep_canonical=True``), they stay alive so a fallback backend can be
 prepared from intact weights. Held weakly, only the backend's own copy remains once the
 caller drops its tensors. Either way the stamp taken at ``prepare()`` (each tensor's version
-counter, data pointer and dtype) tells whether the caller wrote to them in place since, or
+counter, storage and dtype) tells whether the caller wrote to them in place since, or
 replaced their storage (``w.data = ...``, or ``.to()`` / ``.half()`` on a module that holds
-them as parameters: both keep the tensor object and its version).
+them as parameters: both keep the tensor object and its version). The storage is compared by
+identity, not by data pointer: ``share_memory_()`` moves a storage's bytes and keeps it (the
+values are the same), and a freed storage's address can come back under a new one. So a
+strong holder keeps each original storage alive (its identity cannot be reused while the
+layer holds it; after a swap that costs the old bytes until ``prepare()``), and a weak one
+watches it through a weak reference (expired: replaced).
 """
 
 from __future__ import annotations
@@ -15,11 +20,12 @@ from typing import Callable
 
 import attrs
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._config import MoEConfig
 from ._errors import WeightsModifiedError
 from ._quant import QuantizedExperts
-from ._spec import LayerWeights
+from ._spec import LayerWeights, storage_id
 
 
 def _strong(t: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -33,7 +39,8 @@ class CanonicalWeights:
     refs: tuple[Callable[[], torch.Tensor | None], ...]
     versions: tuple[int, ...]
     strong: bool
-    ptrs: tuple[int, ...] = ()
+    storage_ids: tuple[int, ...] = ()
+    anchors: tuple[object, ...] = ()  # the storages (strong) or StorageWeakRefs (weak)
     dtypes: tuple[torch.dtype, ...] = ()
     # Quantized weights: the QuantizedExperts itself (strong or weak like the tensors).
     quantized: Callable[[], QuantizedExperts | None] | None = None
@@ -45,7 +52,9 @@ class CanonicalWeights:
         q = weights.quantized
         return cls(weights.config, tuple(n for n, _ in named), tuple(ref(t) for _, t in named),
                    tuple(t._version for _, t in named), strong,
-                   ptrs=tuple(t.data_ptr() for _, t in named),
+                   storage_ids=tuple(storage_id(t) for _, t in named),
+                   anchors=tuple(t.untyped_storage() if strong else StorageWeakRef(t.untyped_storage())
+                                 for _, t in named),
                    dtypes=tuple(t.dtype for _, t in named),
                    quantized=None if q is None else (lambda: q) if strong else weakref.ref(q))
 
@@ -74,8 +83,8 @@ class CanonicalWeights:
         """Raise :class:`WeightsModifiedError` if a live tensor changed dtype, or (unless the
         backend computes on the caller's tensors: ``live``) was written in place or had its
         storage replaced."""
-        for name, ref, version, ptr, dtype in zip(self.names, self.refs, self.versions,
-                                                  self.ptrs, self.dtypes):
+        for name, ref, version, sid, anchor, dtype in zip(
+                self.names, self.refs, self.versions, self.storage_ids, self.anchors, self.dtypes):
             tensor = ref()
             if tensor is None:
                 continue
@@ -87,7 +96,7 @@ class CanonicalWeights:
                     "move the weights back.")
             if live:
                 continue
-            if tensor.data_ptr() != ptr:
+            if storage_id(tensor) != sid or (not self.strong and anchor.expired()):  # type: ignore[attr-defined]
                 raise WeightsModifiedError(
                     f"{name}'s storage was replaced after prepare() (a .data assignment, or "
                     f".to() on a module that holds it as a parameter); backend {backend!r} "

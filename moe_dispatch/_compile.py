@@ -10,7 +10,7 @@ its checks.
 
 from __future__ import annotations
 
-import itertools
+import secrets
 import threading
 import weakref
 from typing import Protocol
@@ -30,14 +30,26 @@ class _Runs(Protocol):
 
 _LOCK = threading.Lock()
 _LAYERS: "weakref.WeakValueDictionary[int, _Runs]" = weakref.WeakValueDictionary()
-_HANDLES = itertools.count(1)
+# Layers a torch.jit.trace recorded: the trace holds only the handle, and
+# `model = torch.jit.trace(model, ...)` drops the last other reference.
+_TRACED: dict[int, _Runs] = {}
 
 
 def register_layer(layer: _Runs) -> int:
+    """A handle for the layer, random: a trace saved and loaded in another process finds no
+    layer there (LayerStateError) instead of whichever layer got the same number."""
     with _LOCK:
-        handle = next(_HANDLES)
+        handle = secrets.randbits(62)
+        while handle in _LAYERS:
+            handle = secrets.randbits(62)
         _LAYERS[handle] = layer
     return handle
+
+
+def keep_for_trace(handle: int, layer: _Runs) -> None:
+    """Keep a traced layer alive for the process (a trace refers to it by handle only)."""
+    with _LOCK:
+        _TRACED[handle] = layer
 
 
 @torch.library.custom_op("moe_dispatch::moe_forward", mutates_args=())
@@ -46,7 +58,10 @@ def moe_forward(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_id
     layer = _LAYERS.get(handle)
     if layer is None:
         from ._errors import LayerStateError
-        raise LayerStateError(f"moe_dispatch::moe_forward: layer handle {handle} no longer exists")
+        raise LayerStateError(
+            f"moe_dispatch::moe_forward: no layer with handle {handle} in this process: a "
+            "traced or compiled MoELayer runs only in the process that made it (its kernels' "
+            "states are not serialised); trace or compile the model again here")
     return layer.run(hidden_states, topk_weights, topk_ids)
 
 

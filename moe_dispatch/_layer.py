@@ -89,6 +89,11 @@ class MoELayer(LayerCalls):
         state = {k: v for k, v in self.__dict__.items() if k not in self._NOT_COPIED}
         held = self._plan.canonical if self._plan is not None else self._loaded
         weights = held.get() if held is not None else None
+        if held is not None and weights is None:
+            raise LayerStateError(
+                "this layer cannot be copied or pickled: it was built with keep_canonical=False "
+                "and the caller has released its weights, so a copy could neither prepare nor "
+                "run; copy the model that owns the weights before releasing them")
         state["_copied_weights"] = None if weights is None else (
             (weights.quantized,) if weights.quantized is not None else
             (weights.w13, weights.w2, weights.w13_bias, weights.w2_bias))

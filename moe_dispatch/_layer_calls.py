@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ._autograd import grad_enabled as _grad_enabled, run_recorded, wants_grad
+from ._compile import keep_for_trace
 from ._config import MoEConfig
 from ._fastpath import COMPILER as _COMPILER, FLOAT_DTYPES as _FLOAT_DTYPES
 from ._fastpath import GLOBAL_HOOKS as _GLOBAL_HOOKS, ID_DTYPES as _ID_DTYPES, TENSOR as _Tensor
@@ -22,11 +23,10 @@ from ._errors import KernelError, LayerStateError, MoEDispatchError
 from ._options import LayerOptions
 from ._plan import Demotion, ExecutionPlan, Route
 from ._resolution import Resolution
-from ._spec import BackendRecord
+from ._spec import BackendRecord, storage_id
 from ._validation import check_forward
 from .kernels import id_range, version_of
 
-_data_ptr = _Tensor.data_ptr  # the fast path's storage check (a .data swap keeps the version)
 
 log = logging.getLogger("moe_dispatch")
 
@@ -67,7 +67,7 @@ class LayerCalls(torch.nn.Module):
         d = self.__dict__
         plan = d["_plan"]
         if (plan is None or not plan.watched or not d["_own_forward"] or "forward" in d
-                or "_compiled_call_impl" in d
+                or "run" in d or "_compiled_call_impl" in d
                 or d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"]
                 or d["_backward_pre_hooks"] or _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1]
                 or _GLOBAL_HOOKS[2] or _GLOBAL_HOOKS[3] or _COMPILER._is_compiling_flag):
@@ -101,7 +101,9 @@ class LayerCalls(torch.nn.Module):
             # invisible to it (its output a constant), the routing by token count would be
             # frozen at the traced T, and a tracer error inside a backend would look like a
             # kernel failure. The trace records the layer's op instead, which runs the
-            # layer (every check and route) when the trace runs.
+            # layer (every check and route) when the trace runs, in this process: the trace
+            # holds the handle only, so the layer is kept alive for it.
+            keep_for_trace(self._handle, self)
             return torch.ops.moe_dispatch.moe_forward(hidden_states, topk_weights, topk_ids,
                                                       self._handle)
         return self.run(hidden_states, topk_weights, topk_ids)
@@ -156,7 +158,7 @@ class LayerCalls(torch.nn.Module):
                     and topk_ids.dtype in _ID_DTYPES and topk_weights.dtype in _FLOAT_DTYPES
                     and hidden_states.is_cpu and topk_weights.is_cpu and topk_ids.is_cpu
                     and tuple(map(version_of, plan.watched)) == plan.versions
-                    and tuple(map(_data_ptr, plan.watched)) == plan.ptrs):
+                    and tuple(map(storage_id, plan.watched)) == plan.storage_ids):
                 if plan.check_ids:
                     lo, hi = id_range(topk_ids)
                     if lo < 0 or hi >= plan.experts:

@@ -57,9 +57,9 @@ class ExecutionPlan:
     timings and how it was decided; ``tuning_note``: what the tuning cost and where its
     table came from. ``natives``: per bucket (one entry without a table), the route's native
     entry for plain calls (``fast_call``) and that route, or None where the route has none.
-    ``watched`` / ``versions`` / ``ptrs``: the caller's canonical tensors (only when they are
-    held strongly) and their version counters and data pointers at ``prepare()``, which the
-    forward compares.
+    ``watched`` / ``versions`` / ``storage_ids``: the caller's canonical tensors (only when
+    they are held strongly) and their version counters and storages at ``prepare()``, which
+    the forward compares.
     """
 
     resolution: Resolution
@@ -71,7 +71,7 @@ class ExecutionPlan:
     natives: tuple[tuple[NativeEntry, Route] | None, ...] | None = None
     watched: tuple[torch.Tensor, ...] = ()
     versions: tuple[int, ...] = ()
-    ptrs: tuple[int, ...] = ()
+    storage_ids: tuple[int, ...] = ()
     # The forward's constants, read as attributes (cheap) instead of through the config.
     hidden: int = 0
     top_k: int = 0

@@ -46,7 +46,7 @@ def build_plan(config: MoEConfig, options: LayerOptions, config_stage: Resolutio
     canonical = CanonicalWeights.hold(weights, strong=options.keep_canonical)
     watched = canonical.tensors()
     # Native entries guard the caller's weights (version, storage): only when those are held.
-    guard = FastGuard(watched, canonical.versions, canonical.ptrs) if watched else None
+    guard = FastGuard(watched, canonical.versions, canonical.storage_ids) if watched else None
     # One (entry, route) pair per distinct route, so that buckets served by the same route
     # share it; the route is held beside it, so its id is not reused meanwhile.
     pairs: dict[int, tuple[Route, tuple[NativeEntry, Route] | None]] = {}
@@ -74,7 +74,7 @@ def build_plan(config: MoEConfig, options: LayerOptions, config_stage: Resolutio
     return ExecutionPlan(
         resolution=_annotate(final, demotions), route=route, canonical=canonical, table=table,
         tuned=tuned, tuning_note=note, natives=natives, watched=watched,
-        versions=canonical.versions, ptrs=canonical.ptrs, hidden=config.hidden_size, top_k=config.top_k,
+        versions=canonical.versions, storage_ids=canonical.storage_ids, hidden=config.hidden_size, top_k=config.top_k,
         experts=config.num_experts, dtype=config.dtype,
         # The id range check can be left to the kernels only when every backend this plan
         # may run rejects bad ids itself (BackendSpec.validates_ids).

@@ -80,23 +80,30 @@ class Backend(Protocol):
 class FastGuard:
     """What a backend's optional ``fast_call`` must check on every call, besides the inputs.
 
-    ``watched``: the caller's canonical weight tensors; ``versions`` and ``data_ptrs``: their
-    ``_version`` and ``data_ptr()`` at ``prepare()``. A changed version means the caller
-    modified the weights in place, a changed data pointer that it replaced their storage
-    (``w.data = ...``, or ``.to()`` on a module holding them): either way the call must be
-    declined (the layer's checked path then raises WeightsModifiedError). ``unchanged()``
-    checks both; the C++ toolkit's ``PlainSpec`` takes the pointers itself.
+    ``watched``: the caller's canonical weight tensors; ``versions`` and ``storage_ids``:
+    their ``_version`` and :func:`storage_id` at ``prepare()`` (the layer keeps those
+    storages alive, so an id cannot come back under another storage). A changed version
+    means the caller modified the weights in place, a changed storage that it replaced
+    them (``w.data = ...``, or ``.to()`` on a module holding them): either way the call must
+    be declined (the layer's checked path then raises WeightsModifiedError). ``unchanged()``
+    checks both; the C++ toolkit's ``PlainSpec`` takes the storages itself.
     """
 
     watched: tuple[torch.Tensor, ...]
     versions: tuple[int, ...]
-    data_ptrs: tuple[int, ...] = ()
+    storage_ids: tuple[int, ...] = ()
 
     def unchanged(self) -> bool:
         """Whether every watched tensor has its version and storage of ``prepare()``."""
         return (tuple(t._version for t in self.watched) == self.versions
-                and (not self.data_ptrs
-                     or tuple(t.data_ptr() for t in self.watched) == self.data_ptrs))
+                and (not self.storage_ids
+                     or tuple(map(storage_id, self.watched)) == self.storage_ids))
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """The identity of the storage behind ``t`` (its StorageImpl's address): the same after
+    ``share_memory_()`` (same storage, bytes moved), another after ``t.data = ...``."""
+    return t.untyped_storage()._cdata
 
 
 class BackendBase:

@@ -32,9 +32,9 @@ from ._config import Activation, MoEConfig
 from ._autograd import forward_only, grad_enabled
 from ._errors import MoEDispatchError
 from ._layer import MoELayer
+from ._spec import storage_id
 from .kernels import version_of as _version_of
 
-_data_ptr = torch.Tensor.data_ptr
 from .hf_config import HF_ACTIVATIONS as _ACTIVATIONS
 
 NAME = "moe_dispatch"
@@ -153,15 +153,15 @@ def layer_for(module: torch.nn.Module) -> MoELayer:
     # The storage too: a .to() / .half() of the model, or a .data assignment, keeps each
     # parameter and its version but replaces its data.
     try:
-        key = (tuple(map(id, params)), tuple(map(_version_of, params)), tuple(map(_data_ptr, params)))
+        key = (tuple(map(id, params)), tuple(map(_version_of, params)), tuple(map(storage_id, params)))
     except RuntimeError:  # an inference tensor has no version: load_weights says so, typed
         key = None
     cached = getattr(module, "_moe_dispatch_layer", None)
-    if cached is not None and cached[0] == key:
+    if key is not None and cached is not None and cached[0] == key:
         return cached[1]
     with _LOCK:
         cached = getattr(module, "_moe_dispatch_layer", None)
-        if cached is not None and cached[0] == key:
+        if key is not None and cached is not None and cached[0] == key:
             return cached[1]
         config, weights = describe(module)
         layer = MoELayer(config, **LAYER_OPTIONS).load_weights(**weights).prepare()

@@ -65,8 +65,8 @@ class _Holder(torch.nn.Module):
 
     def __init__(self, weights: dict, backend: str | None):
         super().__init__()
-        self.w13 = torch.nn.Parameter(weights["w13"], requires_grad=False)
-        self.w2 = torch.nn.Parameter(weights["w2"], requires_grad=False)
+        self.w13 = torch.nn.Parameter(weights["w13"].clone(), requires_grad=False)
+        self.w2 = torch.nn.Parameter(weights["w2"].clone(), requires_grad=False)
         self.moe = md.MoELayer(CFG, backend=backend).load_weights(self.w13, self.w2).prepare()
 
 
@@ -242,3 +242,40 @@ def test_deepcopy_and_pickle_give_an_independent_layer(prepared, tmp_path):
     loaded.prepare()
     # its own tuning may route T=5 elsewhere: the reference, not bit equality
     assert rel_error(loaded(x, tw, ids), reference(CFG, w, x, tw, ids)) <= TOLERANCE[torch.float32]
+
+
+def test_share_memory_is_not_a_change_and_a_swap_is_caught_for_good():
+    """model.share_memory() moves each storage's bytes and keeps the storage: no change. A
+    swap is caught by the storage's identity, and the layer holds the original storage, so a
+    later allocation cannot take its address and pass for it."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    model = _Holder(random_weights(CFG), _copying_backend())
+    x, tw, ids = random_routing(CFG, 4)
+    want = model.moe(x, tw, ids)
+    model.share_memory()
+    assert torch.equal(model.moe(x, tw, ids), want)
+    original = StorageWeakRef(model.w2.untyped_storage())
+    for _ in range(3):
+        model.w2.data = model.w2.data * 1.0  # same values, new storage each time
+        with pytest.raises(md.WeightsModifiedError, match="storage was replaced"):
+            model.moe(x, tw, ids)
+    import gc
+    gc.collect()
+    assert not original.expired()  # held by the layer (until prepare(), or by the backend)
+    model.moe.prepare()
+    assert torch.equal(model.moe(x, tw, ids), want)
+
+
+def test_a_weakly_held_layer_whose_weights_are_gone_refuses_to_copy():
+    import copy
+    import gc
+    if not md.resolve(CFG, backend="onednn").candidates[0].decision.accepted:
+        pytest.skip("onednn (a backend that copies the weights) is unavailable here")
+    w = random_weights(CFG)
+    layer = md.MoELayer(CFG, backend="onednn", keep_canonical=False).load_weights(**w).prepare()
+    x, tw, ids = random_routing(CFG, 4)
+    layer(x, tw, ids)
+    del w
+    gc.collect()
+    with pytest.raises(md.LayerStateError, match="keep_canonical=False"):
+        copy.deepcopy(layer)

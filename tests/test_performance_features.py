@@ -172,8 +172,26 @@ def test_a_replaced_or_subclassed_forward_still_runs():
     assert torch.equal(layer(x, tw, ids), plain * 3) and calls == [3]
     del layer.forward  # the class's forward again, and the fast path
     assert torch.equal(layer(x, tw, ids), plain) and calls == [3]
+    layer.run = replaced  # forward calls run: an instance's run is honoured too
+    assert torch.equal(layer(x, tw, ids), plain * 3) and calls == [3, 3]
+    del layer.run
     sub = _WithSharedExpert(CFG).load_weights(**w).prepare()
     assert torch.allclose(sub(x, tw, ids), plain + x)
+
+
+def test_a_trace_keeps_its_layer_alive():
+    """model = torch.jit.trace(model, ...) drops the last other reference to the layer: the
+    trace holds its handle only, so the layer is kept for it."""
+    import gc
+    w = random_weights(CFG)
+    x, tw, ids = random_routing(CFG, 4, seed=3)
+    want = md.MoELayer(CFG, backend="torch").load_weights(**w).prepare()(x, tw, ids)
+    model = md.MoELayer(CFG, backend="torch").load_weights(**w).prepare()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = torch.jit.trace(model, (x, tw, ids), check_trace=False)
+    gc.collect()
+    assert torch.allclose(model(x, tw, ids), want)
 
 
 def test_module_compile_in_place():

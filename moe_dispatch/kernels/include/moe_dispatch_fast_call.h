@@ -45,15 +45,17 @@ inline bool plain_input(PyObject* obj, at::ScalarType dtype, int64_t rows, int64
 
 // What a layer's plan fixes for its entry: the forward's shape constants and the caller's
 // canonical weights with their version stamps at prepare() (the layer's version check), and
-// their data pointers, taken here: `w.data = ...` and a module's .to() keep the tensor and its
+// their storages, taken here: `w.data = ...` and a module's .to() keep the tensor and its
 // version but replace its storage, which this tensor handle (the same TensorImpl) sees.
+// Compared by identity and held (so no other storage can take the old one's address while
+// this spec lives), not by data pointer: share_memory_() moves a storage's bytes and keeps it.
 struct PlainSpec {
   int64_t hidden = 0, top_k = 0, experts = 0;
   at::ScalarType dtype = at::kFloat;
   bool reject_repeated_ids = false;  // for kernels that are wrong on an id repeated in a row
   std::vector<at::Tensor> watched;
   std::vector<int64_t> versions;
-  std::vector<const void*> data;
+  std::vector<c10::Storage> storages;
 
   PlainSpec() = default;
   PlainSpec(int64_t hidden_, int64_t top_k_, int64_t experts_, at::ScalarType dtype_,
@@ -64,7 +66,7 @@ struct PlainSpec {
         versions(std::move(versions_)) {
     TORCH_CHECK(watched.size() == versions.size(), "one version per watched tensor");
     TORCH_CHECK(top_k > 0 && hidden > 0 && experts > 0, "PlainSpec: a plain config");
-    for (const at::Tensor& w : watched) data.push_back(w.const_data_ptr());
+    for (const at::Tensor& w : watched) storages.push_back(w.storage());
   }
 
   bool weights_want_grad() const {
@@ -75,7 +77,8 @@ struct PlainSpec {
 
   bool weights_unchanged() const {
     for (size_t i = 0; i < watched.size(); ++i)
-      if (watched[i]._version() != versions[i] || watched[i].const_data_ptr() != data[i])
+      if (watched[i]._version() != versions[i] ||
+          watched[i].storage().unsafeGetStorageImpl() != storages[i].unsafeGetStorageImpl())
         return false;
     return true;
   }
