@@ -65,10 +65,15 @@ class MoELayer(LayerCalls):
             keep_canonical=keep_canonical, policy=policy, max_candidates=max_candidates,
             tune_max_tokens=tune_max_tokens, tune_budget_s=tune_budget_s, tuning_cache=tuning_cache,
             max_weight_copies=max_weight_copies)
-        # Resolve now: a bad forced name or an unsupported config fails at construction.
+        self._start()
+
+    def _start(self) -> None:
+        """Resolve the config and start with no weights and no plan (construction, and a
+        copy's __setstate__): a bad forced name or an unsupported config fails here."""
+        o = self.options
         self._config_resolution: Resolution = resolve(
-            config, backend=backend, exclude=self.options.exclude, capabilities=capabilities,
-            max_weight_copies=max_weight_copies)
+            self.config, backend=o.backend, exclude=o.exclude, capabilities=o.capabilities,
+            max_weight_copies=o.max_weight_copies)
         self._loaded: CanonicalWeights | None = None  # strong until prepare() re-holds them
         self._plan: ExecutionPlan | None = None
         self._demotions: list[Demotion] = []
@@ -105,13 +110,7 @@ class MoELayer(LayerCalls):
         weights = state.pop("_copied_weights")
         prepared = state.pop("_copied_prepared")
         self.__dict__.update(state)
-        o = self.options
-        self._config_resolution = resolve(self.config, backend=o.backend, exclude=o.exclude,
-                                          capabilities=o.capabilities,
-                                          max_weight_copies=o.tuning.max_weight_copies)
-        self._loaded, self._plan, self._demotions = None, None, []
-        self._lock = threading.RLock()
-        self._handle = register_layer(self)
+        self._start()
         if weights is not None:
             self.load_weights(*weights)  # type: ignore[misc]
             if prepared:
