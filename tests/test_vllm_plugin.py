@@ -340,3 +340,85 @@ def test_the_default_exclusion_is_what_the_registered_backends_declare(
     for bad in (["vLLM engine"], [""]):
         with pytest.raises(ValueError, match="avoid_hosts"):
             md.BackendSpec("vendor_y", 1, loop, avoid_hosts=bad)
+
+
+def method_class(experts_cls: type) -> type:
+    """A stand-in for vLLM's UnquantizedFusedMoEMethod: its first process_weights_after_loading
+    builds the experts object and runs the experts' hook; a later one (a weight update:
+    ``reload_weights``) does not, as in vLLM 0.32."""
+
+    class Method:
+        def __init__(self, config: md.MoEConfig) -> None:
+            self.config, self.moe_kernel = config, None
+
+        def process_weights_after_loading(self, layer: Any) -> None:
+            if self.moe_kernel is None:
+                from types import SimpleNamespace
+                self.moe_kernel = SimpleNamespace(fused_experts=experts_cls(self.config))
+                self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    return Method
+
+
+def _copying_backends() -> list[str]:
+    """The backends that serve CONFIG here from copies of their own (the ones a write through
+    ``.data`` would leave stale)."""
+    layer = md.MoELayer(CONFIG, policy="priority", tuning_cache=False)
+    layer.load_weights(**random_weights(CONFIG)).prepare()
+    differentiable = {r.name for r in md.get_registry().snapshot().records
+                      if r.spec.differentiable}
+    return [c.name for c in layer.resolution.candidates
+            if str(c.status) in ("chosen", "standby") and c.name not in differentiable]
+
+
+@pytest.mark.parametrize("copy_first", [False, True], ids=["hook, then copy", "copy, then hook"])
+def test_a_weight_update_rebuilds_the_served_layer_from_the_new_values(copy_first: bool) -> None:
+    # vLLM's layerwise reload runs the method's hook on fresh tensors, then writes the
+    # processed values into the loaded parameters with .data.copy_ (no version bump).
+    backends = _copying_backends()
+    if not backends:
+        pytest.skip("no backend here serves fp32 from copies of its own")
+    for backend in backends:
+        cls = experts_class()
+        method_cls = method_class(cls)
+        assert _seam.install(cls, [], lambda: {"backend": backend}, LOG, method_cls)
+        layer, method = Layer(CONFIG), method_cls(CONFIG)
+        method.process_weights_after_loading(layer)
+        experts = method.moe_kernel.fused_experts
+        first = experts.__dict__[_seam._ATTR][0]
+        x, tw, ids = random_routing(CONFIG, 5, seed=4)
+        _apply(experts, layer, x, tw, ids)
+        new = random_weights(CONFIG, seed=9)
+
+        def copy() -> None:
+            layer.w13_weight.data.copy_(new["w13"])
+            layer.w2_weight.data.copy_(new["w2"])
+        if copy_first:
+            copy()
+        method.process_weights_after_loading(layer)
+        assert experts.__dict__[_seam._ATTR][0] is None  # the old copies are dropped now
+        if not copy_first:
+            copy()
+        got = _apply(experts, layer, x, tw, ids)
+        assert rel_error(got, reference(CONFIG, new, x, tw, ids)) < TOLERANCE[torch.float32], \
+            backend
+        rebuilt = experts.__dict__[_seam._ATTR][0]
+        assert rebuilt is not first and rebuilt.backend == backend
+        assert experts.calls == []  # vLLM's own path never ran
+
+
+def test_after_a_weight_update_a_layer_not_served_goes_to_vllms_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cls = experts_class()
+    method_cls = method_class(cls)
+    _seam.install(cls, [], dict, LOG, method_cls)
+    layer, method = Layer(CONFIG), method_cls(CONFIG)
+    method.process_weights_after_loading(layer)
+    experts = method.moe_kernel.fused_experts
+    method.process_weights_after_loading(layer)
+    monkeypatch.setenv("MOE_DISPATCH_BACKEND", "no_such_backend")
+    x, tw, ids = random_routing(CONFIG, 3, seed=6)
+    got = _apply(experts, layer, x, tw, ids)
+    assert experts.calls == ["prepack", "apply"]  # prepared as vLLM would have, then its apply
+    assert rel_error(got, reference(CONFIG, layer.weights, x, tw, ids)) < TOLERANCE[torch.float32]
+    assert _seam._ATTR not in experts.__dict__

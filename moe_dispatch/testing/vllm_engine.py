@@ -106,8 +106,9 @@ def _engine(model: str, dtype: str) -> Any:
 def run_engine(model: str, dtype: str, prompts: list[list[int]], max_tokens: int,
                logprobs: int = 5, decode: tuple[int, int] | None = None,
                batches: tuple[int, ...] = (), prefill: int = 0,
-               rounds: int = 3) -> dict[str, Any]:
-    """One engine: greedy generation of every prompt; with ``decode=(A, B)`` the decode rate
+               rounds: int = 3, reload: str | None = None) -> dict[str, Any]:
+    """One engine: greedy generation of every prompt; with ``reload=path`` the same again
+    after ``reload_weights`` from that checkpoint; with ``decode=(A, B)`` the decode rate
     of the first b prompts for each b in ``batches`` (default: all of them); with
     ``prefill=N`` the prefill rate of one N-token prompt. Rates are medians of ``rounds``."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes all RAM
@@ -126,6 +127,10 @@ def run_engine(model: str, dtype: str, prompts: list[list[int]], max_tokens: int
         "first_logprobs": [{str(t): lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}
                            for o in outputs],
     }
+    if reload:  # vLLM's in-place weight update from another checkpoint, then the same prompts
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": reload})
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        result["tokens_after_reload"] = [list(o.outputs[0].token_ids) for o in outputs]
     result["rss_gib"] = _rss_gib()  # the engine's processes
     if decode is not None:
         short, long = decode
@@ -207,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--batches", default="", help="B1,B2: decode batch sizes (first Bi prompts)")
     run.add_argument("--prefill", type=int, default=0, help="N: prefill rate of an N-token prompt")
     run.add_argument("--rounds", type=int, default=3)
+    run.add_argument("--reload", help="a checkpoint to reload the weights from, then generate")
     both = sub.add_parser("duel", help="vLLM's own path and the plugin, two engines alternating")
     for name in ("--model", "--prompts", "--decode"):
         both.add_argument(name, required=True)
@@ -225,12 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "duel":
         print(RESULT + json.dumps(duel(args.model, args.dtype, json.loads(args.prompts), decode,
                                        tuple(int(x) for x in args.batches.split(",")),
-                                       args.prefill, args.rounds)), flush=True)
+                                       args.prefill, args.rounds, args.reload)), flush=True)
         return 0
     batches = tuple(int(x) for x in args.batches.split(",")) if args.batches else ()
     result = run_engine(args.model, args.dtype, json.loads(args.prompts), args.max_tokens,
                         args.logprobs, decode, batches,  # type: ignore[arg-type]
-                        args.prefill, args.rounds)
+                        args.prefill, args.rounds, args.reload)
     print(RESULT + json.dumps(result), flush=True)
     return 0
 

@@ -8,6 +8,7 @@ modified) and runs the experts on vLLM's own routing. One INFO line per distinct
 shape says which backend runs which token counts and why the others do not. A layer the
 plugin cannot serve exactly (quantized experts, expert parallelism, an activation or
 swigluoai constant it does not have) stays on vLLM's own path, with the reason logged.
+After a weight update (``reload_weights``) a served layer is rebuilt from the new values.
 
 Environment: ``MOE_DISPATCH_VLLM=0`` turns the plugin off (vLLM's path everywhere); the
 layers honour moe-dispatch's own variables (``MOE_DISPATCH_POLICY``,
@@ -77,10 +78,12 @@ def register() -> None:
                     os.environ.get(ENV))
         return
     try:
+        from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as um
         from vllm.model_executor.layers.fused_moe.experts import cpu_moe
         from ._seam import QUANTIZED, install
         quantized = [getattr(cpu_moe, n) for n in QUANTIZED if hasattr(cpu_moe, n)]
-        install(cpu_moe.CPUUnquantizedExperts, quantized, layer_options, logger)
+        install(cpu_moe.CPUUnquantizedExperts, quantized, layer_options, logger,
+                um.UnquantizedFusedMoEMethod)
     except Exception as exc:  # a failing plugin never takes vLLM down
         logger.warning("moe-dispatch: plugin not installed (%s: %s); vLLM's MoE path runs",
                        type(exc).__name__, exc)

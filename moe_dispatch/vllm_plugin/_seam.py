@@ -8,6 +8,13 @@ vLLM's own routing already done. Wrapping these two keeps vLLM's router, its
 prepare/finalize steps and its shared experts, and leaves the parameters as loaded when
 moe-dispatch serves the layer. Everything else (quantized experts classes, expert
 parallelism, unknown activations) stays on vLLM's path, with the reason logged.
+
+A weight update (``reload_weights``, the weight-transfer engines' layerwise reload) runs the
+unquantized method's ``process_weights_after_loading`` again but not the experts'; the new
+values then reach the loaded parameters through ``.data.copy_``, which no version counter
+sees. So the method's hook is wrapped too: on a layer already served it drops the layer's
+MoELayer (and the copies its backends hold), and the next ``apply`` builds one from the
+parameters as they are then.
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ APPLY_PARAMS = ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "
 PWAL_PARAMS = ("self", "layer")
 # vLLM's quantized CPU experts classes: not served; their layers log why once per shape.
 QUANTIZED = ("CPUExpertsFp8", "CPUExpertsMxfp4", "CPUExpertsInt4", "CPUExpertsInt8")
-_ATTR = "_moe_dispatch"  # on the experts object: (MoELayer, weakref to vLLM's layer)
+# On the experts object: (MoELayer, weakref to vLLM's layer); (None, weakref) after a weight
+# update, until the next apply rebuilds it.
+_ATTR = "_moe_dispatch"
 _LOGGED: set[str] = set()
 _LOCK = threading.Lock()
 
@@ -79,19 +88,23 @@ def _params(fn: Callable[..., Any]) -> tuple[str, ...]:
 
 
 def install(experts_cls: type, quantized: list[type], options: Callable[[], dict[str, Any]],
-            logger: logging.Logger) -> bool:
-    """Wrap ``experts_cls`` (vLLM's CPUUnquantizedExperts) in place; False, with a warning,
-    when its methods are not the ones this seam was written against. ``options()`` gives
-    the MoELayer keyword arguments as each layer is built (not at install: the
-    backends' registry is loaded only in a process that builds layers)."""
+            logger: logging.Logger, method_cls: type | None = None) -> bool:
+    """Wrap ``experts_cls`` (vLLM's CPUUnquantizedExperts) and ``method_cls`` (its
+    UnquantizedFusedMoEMethod, whose ``moe_kernel.fused_experts`` is the experts object) in
+    place; False, with a warning, when their methods are not the ones this seam was written
+    against. ``options()`` gives the MoELayer keyword arguments as each layer is built (not
+    at install: the backends' registry is loaded only in a process that builds layers)."""
     if getattr(experts_cls, "_moe_dispatch_installed", False):
         return True
     got_apply = _params(experts_cls.apply)
     got_pwal = _params(experts_cls.process_weights_after_loading)
-    if got_apply != APPLY_PARAMS or got_pwal != PWAL_PARAMS:
-        logger.warning("moe-dispatch: vLLM's %s has apply%s and process_weights_after_loading%s; "
-                       "the plugin knows apply%s: it stays off and vLLM's MoE path runs",
-                       experts_cls.__name__, got_apply, got_pwal, APPLY_PARAMS)
+    got_method = (PWAL_PARAMS if method_cls is None
+                  else _params(method_cls.process_weights_after_loading))
+    if got_apply != APPLY_PARAMS or got_pwal != PWAL_PARAMS or got_method != PWAL_PARAMS:
+        logger.warning("moe-dispatch: vLLM's %s has apply%s and process_weights_after_loading%s "
+                       "(its method's: %s); the plugin knows apply%s: it stays off and vLLM's "
+                       "MoE path runs", experts_cls.__name__, got_apply, got_pwal, got_method,
+                       APPLY_PARAMS)
         return False
     original_pwal = experts_cls.process_weights_after_loading
     original_apply = experts_cls.apply
@@ -110,6 +123,11 @@ def install(experts_cls: type, quantized: list[type], options: Callable[[], dict
               a2_scale: Any, workspace13: Any, workspace2: Any, expert_tokens_meta: Any,
               apply_router_weight_on_input: bool) -> None:
         served = self.__dict__.get(_ATTR)
+        if served is not None and served[0] is None:  # the first call after a weight update
+            layer = served[1]()
+            served = _rebuild(self, layer, options, original_pwal, logger)
+            if served is None and layer is not None:  # vLLM's path prepared the layer
+                w1, w2 = layer.w13_weight, layer.w2_weight
         if served is not None and expert_map is None:
             if apply_router_weight_on_input:
                 # vLLM's prepare step has already scaled the input (top_k = 1).
@@ -128,9 +146,47 @@ def install(experts_cls: type, quantized: list[type], options: Callable[[], dict
     experts_cls.process_weights_after_loading = process_weights_after_loading
     experts_cls.apply = apply
     experts_cls._moe_dispatch_installed = True
+    if method_cls is not None:
+        _note_updates(method_cls)
     for cls in quantized:
         _note_quantized(cls, logger)
     return True
+
+
+def _note_updates(method_cls: type) -> None:
+    """Wrap the method's process_weights_after_loading: run on a layer whose experts are
+    already served, it is a weight update, and the served MoELayer is dropped."""
+    original = method_cls.process_weights_after_loading
+
+    def process_weights_after_loading(self: Any, layer: Any) -> None:
+        experts = getattr(getattr(self, "moe_kernel", None), "fused_experts", None)
+        served = getattr(experts, "__dict__", {}).get(_ATTR)
+        try:
+            return original(self, layer)
+        finally:
+            if served is not None:  # the old copies go now; apply builds from the new values
+                experts.__dict__[_ATTR] = (None, served[1])
+
+    method_cls.process_weights_after_loading = process_weights_after_loading
+
+
+def _rebuild(experts: Any, layer: Any, options: Callable[[], dict[str, Any]],
+             original_pwal: Callable[..., Any],
+             logger: logging.Logger) -> tuple[MoELayer, Any] | None:
+    """A MoELayer from the layer's parameters as they are after a weight update, or None
+    when moe-dispatch does not serve them (then vLLM's path prepares the layer, as it would
+    have at load)."""
+    experts.__dict__.pop(_ATTR, None)
+    if layer is None:
+        return None
+    md = serve(layer, options(), logger)
+    if md is None:
+        original_pwal(experts, layer)
+        return None
+    served = (md, weakref.ref(layer))
+    setattr(experts, _ATTR, served)
+    logger.debug("moe-dispatch: %s rebuilt from updated weights", md.config.describe())
+    return served
 
 
 def _give_back(experts: Any, served: tuple[MoELayer, Any], original_pwal: Callable[..., Any],
