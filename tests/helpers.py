@@ -21,6 +21,18 @@ def assert_unchanged(weights: dict, before: dict[str, torch.Tensor]) -> None:
                            saved.contiguous().view(torch.uint8)), f"{name} was modified"
 
 
+def accepting(config: md.MoEConfig) -> list[str]:
+    """The registered backends that accept ``config`` here, in priority order."""
+    return [c.name for c in md.resolve(config).candidates if c.decision.accepted]
+
+
+def copying_backends(config: md.MoEConfig) -> list[str]:
+    """The accepting backends that compute on copies of their own (not differentiable): the
+    ones a change to the caller's weights after prepare() must not reach silently."""
+    snapshot = md.get_registry().snapshot()
+    return [n for n in accepting(config) if not snapshot.by_name(n).spec.differentiable]
+
+
 def zentorch_ready() -> tuple[bool, str]:
     """Whether the real zentorch backend accepts a plain silu config (bf16 or fp32) here."""
     caps = md.Capabilities.detect()

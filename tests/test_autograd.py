@@ -10,15 +10,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import moe_dispatch as md
-from helpers import random_routing, random_weights, rel_error
+from helpers import accepting as _accepting, copying_backends, random_routing, random_weights, rel_error
 from moe_dispatch.reference import moe_reference
 from moe_dispatch.testing.strategies import small_configs
 
 CFG = {d: md.MoEConfig(8, 2, 64, 48, dtype=d) for d in (torch.bfloat16, torch.float32)}
-
-
-def _accepting(config: md.MoEConfig) -> list[str]:
-    return [c.name for c in md.resolve(config).candidates if c.decision.accepted]
 
 
 def _layer(config: md.MoEConfig, backend: str | None, w: dict) -> md.MoELayer:
@@ -26,8 +22,7 @@ def _layer(config: md.MoEConfig, backend: str | None, w: dict) -> md.MoELayer:
         w["w13"], w["w2"], w13_bias=w["w13_bias"], w2_bias=w["w2_bias"]).prepare()
 
 
-FORWARD_ONLY = [(d, b) for d, cfg in CFG.items() for b in _accepting(cfg)
-                if not md.get_registry().snapshot().by_name(b).spec.differentiable]
+FORWARD_ONLY = [(d, b) for d, cfg in CFG.items() for b in copying_backends(cfg)]
 
 
 @pytest.mark.parametrize(("dtype", "backend"), FORWARD_ONLY, ids=lambda v: str(v))

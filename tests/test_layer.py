@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from helpers import TOLERANCE, random_routing, random_weights, reference, rel_error
+from helpers import TOLERANCE, copying_backends, random_routing, random_weights, reference, rel_error
 
 CFG = md.MoEConfig(8, 2, 32, 16, dtype=torch.float32)
 
@@ -43,9 +43,7 @@ def test_zero_tokens_returns_empty():
 
 def _copying_backend() -> str:
     """A backend that accepts CFG and keeps its own copy (not differentiable)."""
-    snapshot = md.get_registry().snapshot()
-    return next(c.name for c in md.resolve(CFG).candidates if c.decision.accepted
-                and not snapshot.by_name(c.name).spec.differentiable)
+    return copying_backends(CFG)[0]
 
 
 def test_in_place_weight_change_is_detected_and_prepare_rebuilds():

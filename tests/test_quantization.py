@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import moe_dispatch as md
 from moe_dispatch.testing.strategies import quant_schemes, quantizable_experts
+from helpers import copying_backends
 
 
 def _step(q: md.QuantizedTensor) -> torch.Tensor:
@@ -215,9 +216,7 @@ def test_caller_tensors_untouched_and_in_place_updates_detected():
     layer(x, tw, ids)
     for a, b in zip(before, (qe.w13.qweight, qe.w13.scales, qe.w2.qweight, qe.w2.scales)):
         assert torch.equal(a, b)
-    snapshot = md.get_registry().snapshot()
-    copying = [c.name for c in md.resolve(cfg).candidates if c.decision.accepted
-               and not snapshot.by_name(c.name).spec.differentiable]
+    copying = copying_backends(cfg)
     others = [md.MoELayer(cfg, backend=n).load_weights(qe).prepare() for n in copying]
     qe.w2.scales.mul_(2)  # a scale written in place after prepare()
     # The torch loop (differentiable) computes on the caller's tensors: it sees the change.

@@ -14,6 +14,7 @@ import moe_dispatch as md
 from moe_dispatch.testing import TOLERANCE, random_routing, random_weights, reference, rel_error
 from moe_dispatch.vllm_plugin import _seam
 from moe_dispatch.vllm_plugin._describe import NotServed, describe, summary
+from helpers import copying_backends
 
 LOG = logging.getLogger("test.vllm_plugin")
 
@@ -360,22 +361,11 @@ def method_class(experts_cls: type) -> type:
     return Method
 
 
-def _copying_backends() -> list[str]:
-    """The backends that serve CONFIG here from copies of their own (the ones a write through
-    ``.data`` would leave stale)."""
-    layer = md.MoELayer(CONFIG, policy="priority", tuning_cache=False)
-    layer.load_weights(**random_weights(CONFIG)).prepare()
-    differentiable = {r.name for r in md.get_registry().snapshot().records
-                      if r.spec.differentiable}
-    return [c.name for c in layer.resolution.candidates
-            if str(c.status) in ("chosen", "standby") and c.name not in differentiable]
-
-
 @pytest.mark.parametrize("copy_first", [False, True], ids=["hook, then copy", "copy, then hook"])
 def test_a_weight_update_rebuilds_the_served_layer_from_the_new_values(copy_first: bool) -> None:
     # vLLM's layerwise reload runs the method's hook on fresh tensors, then writes the
     # processed values into the loaded parameters with .data.copy_ (no version bump).
-    backends = _copying_backends()
+    backends = copying_backends(CONFIG)  # the ones a write through .data would leave stale
     if not backends:
         pytest.skip("no backend here serves fp32 from copies of its own")
     for backend in backends:
