@@ -23,7 +23,7 @@ from typing import Mapping
 
 import torch
 
-from ._errors import InvalidArgumentError
+from ._errors import InvalidArgumentError, InvalidTypeError
 from ._quant import QuantizedExperts, QuantizedTensor, QuantScheme, pack_nibbles
 
 # (gate, up, down) module names per expert, by checkpoint family.
@@ -42,6 +42,11 @@ def experts_from_compressed_tensors(source: str | Path | Mapping[str, torch.Tens
         if names not in NAMES:
             raise InvalidArgumentError("names", names, f"one of {sorted(NAMES)} or three module names")
         names = NAMES[names]
+    # bool is an int subclass; True experts is a bug, not a count.
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool):
+        raise InvalidTypeError("num_experts", num_experts, "a positive int")
+    if num_experts <= 0:
+        raise InvalidArgumentError("num_experts", num_experts, "a positive int (> 0)")
     tensors = _load(source, prefix)
     parts: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, QuantScheme]]] = [[], [], []]
     for e in range(num_experts):
@@ -84,23 +89,34 @@ def _unpack(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 def _projection(tensors: Mapping[str, torch.Tensor], name: str
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, QuantScheme]:
     plain = tensors.get(f"{name}.weight")
+    values: torch.Tensor | None = None
     if plain is not None and plain.dtype == torch.int8 and f"{name}.weight_scale" in tensors:
         # "int-quantized": int8 values as they are (compressed-tensors' naive format)
+        if plain.dim() != 2 or 0 in plain.shape:
+            raise InvalidArgumentError(f"{name}.weight", f"{plain.dtype} {list(plain.shape)}",
+                                       "int8 [N, K] with N, K > 0")
         n, k = plain.shape
-        packed = plain.to(torch.int32).add(128).reshape(n, k // 4, 4)
-        packed = (packed << (torch.arange(4, dtype=torch.int32) * 8)).sum(-1, dtype=torch.int32)
+        values, bits = plain, 8
         scale = tensors[f"{name}.weight_scale"]
     else:
         try:
             packed, scale = tensors[f"{name}.weight_packed"], tensors[f"{name}.weight_scale"]
-            n, k = (int(v) for v in tensors[f"{name}.weight_shape"].tolist())
+            shape = tensors[f"{name}.weight_shape"]
         except KeyError as exc:
             raise InvalidArgumentError("prefix", name, f"a pack-quantized module with "
                                        f"{exc.args[0]}") from None
-    if packed.dtype != torch.int32 or packed.shape[0] != n or (packed.shape[1] * 32) % k:
-        raise InvalidArgumentError(f"{name}.weight_packed", f"{packed.dtype} {list(packed.shape)}",
-                                   f"int32 [{n}, {k} * bits / 32]")
-    bits = packed.shape[1] * 32 // k
+        if shape.numel() != 2 or shape.is_floating_point() or bool((shape <= 0).any()):
+            raise InvalidArgumentError(f"{name}.weight_shape", shape.tolist(), "[N, K] with N, K > 0")
+        n, k = (int(v) for v in shape.tolist())
+        if packed.dtype != torch.int32 or packed.dim() != 2 or packed.shape[0] != n \
+                or (packed.shape[1] * 32) % k:
+            raise InvalidArgumentError(f"{name}.weight_packed", f"{packed.dtype} {list(packed.shape)}",
+                                       f"int32 [{n}, {k} * bits / 32]")
+        bits = packed.shape[1] * 32 // k
+    if not scale.is_floating_point() or scale.dim() != 2 or scale.shape[0] != n \
+            or scale.shape[1] == 0 or k % scale.shape[1]:
+        raise InvalidArgumentError(f"{name}.weight_scale", f"{scale.dtype} {list(scale.shape)}",
+                                   f"a float tensor [{n}, {k} / group_size] ([{n}, 1] per channel)")
     groups = scale.shape[1]
     g_idx = tensors.get(f"{name}.weight_g_idx")
     if g_idx is not None and not torch.equal(
@@ -119,7 +135,6 @@ def _projection(tensors: Mapping[str, torch.Tensor], name: str
         raise InvalidArgumentError(f"{name}", f"{bits}-bit, {groups} scale(s) per row, "
                                    f"{'asymmetric' if zp is not None else 'symmetric'}",
                                    f"one of this project's schemes ({exc})") from None
-    values = _unpack(packed, bits, k)  # stored q + 2**(b-1)
     want = torch.float32 if group is None else torch.float16
     scales = scale.to(want)
     if not torch.equal(scales.to(scale.dtype), scale):
@@ -128,9 +143,19 @@ def _projection(tensors: Mapping[str, torch.Tensor], name: str
                                    "scale dtype for the scheme)")
     zeros = None
     if zp is not None:  # packed along the rows: unpack the transpose
+        rows = -(-n * bits // 32)
+        if zp.dtype != torch.int32 or tuple(zp.shape) != (rows, groups):
+            # Older writers stored the zero points unpacked ([N, K / g], int8 or int32); read
+            # as packed words they would give other zero points and silently wrong values.
+            raise InvalidArgumentError(f"{name}.weight_zero_point", f"{zp.dtype} {list(zp.shape)}",
+                                       f"int32 [{rows}, {groups}]: the {bits}-bit zero points "
+                                       f"of the {n} rows packed along the rows (unpacked zero "
+                                       "points are not read)")
         zeros = _unpack(zp.t().contiguous(), bits, n).t().to(torch.uint8)  # stored zp + 8
-    q = (values - 128).to(torch.int8) if bits == 8 else pack_nibbles(values)
-    return q, scales.reshape(n, groups), zeros, scheme
+    if values is None:
+        stored = _unpack(packed, bits, k)  # q + 2**(b-1)
+        values = (stored - 128).to(torch.int8) if bits == 8 else pack_nibbles(stored)
+    return values, scales.reshape(n, groups), zeros, scheme
 
 
 def _stack(part: list, scheme: QuantScheme) -> QuantizedTensor:

@@ -53,6 +53,19 @@ def experts_from_gguf(path: str | Path, layer: int) -> QuantizedExperts:
         raise InvalidArgumentError(f"blk.{layer} expert tensor types", types,
                                    "all Q8_0 or all Q4_0 (other types are not mapped)")
     kind = kinds.pop()
+    # ggml's ne is the reverse of numpy's order, in which the shapes below are written.
+    shapes = {n: tuple(int(v) for v in reversed(list(t.shape))) for n, t in found.items()}
+    gate = shapes["ffn_gate_exps"]
+    if len(gate) != 3:
+        raise InvalidArgumentError(f"blk.{layer}.ffn_gate_exps.weight shape", list(gate),
+                                   "[E, I, H] (3 dims, numpy order: one matrix per expert)")
+    e, i, h = gate
+    for name, want, dims in (("ffn_up_exps", (e, i, h), "[E, I, H]"),
+                             ("ffn_down_exps", (e, h, i), "[E, H, I]")):
+        if shapes[name] != want:
+            raise InvalidArgumentError(f"blk.{layer}.{name}.weight shape", list(shapes[name]),
+                                       f"{dims} = {list(want)} (numpy order) for "
+                                       f"blk.{layer}.ffn_gate_exps.weight [E, I, H] = {list(gate)}")
     scheme = QuantScheme("int8", group_size=BLOCK) if kind == "Q8_0" else QuantScheme("int4", group_size=BLOCK)
     gate, up, down = (_unpack(found[n], kind) for n in NAMES)
     w13 = [torch.cat([g, u], dim=1) for g, u in zip(gate, up)]  # (values, scales) along N

@@ -29,6 +29,10 @@ INT4_GROUPS = (32, 64, 128)
 
 def _check_group(inst: "QuantScheme", attribute: attrs.Attribute, value: int | None) -> None:
     allowed = INT8_GROUPS if inst.kind == "int8" else INT4_GROUPS
+    # 32.0 == 32 passes the membership test below, then fails later inside a reshape.
+    if value is not None and type(value) is not int:
+        raise InvalidTypeError("group_size", value, f"one of {allowed} for {inst.kind!r} "
+                               f"(an int, not {type(value).__name__})")
     if value not in allowed:
         raise InvalidArgumentError("group_size", value, f"one of {allowed} for {inst.kind!r}")
 
@@ -116,6 +120,13 @@ class QuantizedTensor:
     def of(cls, scheme: QuantScheme, qweight: torch.Tensor, scales: torch.Tensor,
            zeros: torch.Tensor | None = None) -> "QuantizedTensor":
         """A tensor whose logical shape follows from ``qweight`` (two int4 values per byte)."""
+        if not isinstance(scheme, QuantScheme):
+            raise InvalidTypeError("scheme", scheme, "a moe_dispatch.QuantScheme")
+        if not isinstance(qweight, torch.Tensor):
+            raise InvalidTypeError("qweight", qweight, "a torch.Tensor")
+        if qweight.dim() != 3:
+            raise InvalidArgumentError("qweight", f"{qweight.dtype} {list(qweight.shape)}",
+                                       "[E, N, K] ([E, N, K / 2] for int4)")
         e, n, width = qweight.shape
         return cls(scheme, qweight, scales, zeros, (e, n, width * (2 if scheme.bits == 4 else 1)))
 

@@ -70,3 +70,24 @@ def test_gguf_errors_name_what_is_wrong(tmp_path):
     _write(f16, 0, (gate, up, down), (Q.F16,) * 3)
     with pytest.raises(md.InvalidArgumentError, match="all Q8_0 or all Q4_0"):
         md.experts_from_gguf(f16, 0)
+
+
+@pytest.mark.parametrize("shapes,bad,want", [
+    pytest.param(((2, 32, 64), (2, 64, 64), (2, 64, 32)), "ffn_up_exps",
+                 r"\[2, 64, 64\].*\[E, I, H\] = \[2, 32, 64\]", id="up-I"),
+    pytest.param(((2, 32, 64), (2, 32, 64), (2, 64, 64)), "ffn_down_exps",
+                 r"\[2, 64, 64\].*\[E, H, I\] = \[2, 64, 32\]", id="down-I"),
+    pytest.param(((2, 32, 64), (2, 32, 64), (3, 64, 32)), "ffn_down_exps",
+                 r"\[3, 64, 32\].*\[E, H, I\] = \[2, 64, 32\]", id="down-E"),
+    pytest.param(((2, 32, 64), (2, 32, 64), (2, 32, 64)), "ffn_down_exps",
+                 r"\[2, 32, 64\].*\[E, H, I\] = \[2, 64, 32\]", id="down-as-gate"),
+    pytest.param(((32, 64), (32, 64), (64, 32)), "ffn_gate_exps", r"\[32, 64\].*\[E, I, H\]", id="2-D"),
+])
+@pytest.mark.parametrize("qt", [Q.Q8_0, Q.Q4_0], ids=["Q8_0", "Q4_0"])
+def test_expert_tensors_that_disagree_in_shape_are_refused_by_name(tmp_path, shapes, bad, want, qt):
+    """gate and up [E, I, H], down [E, H, I] (numpy order), all with the gate's E, I, H."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "bad.gguf"
+    _write(path, 0, [rng.standard_normal(s, dtype=np.float32) for s in shapes], (qt,) * 3)
+    with pytest.raises(md.InvalidArgumentError, match=rf"blk.0.{bad}.weight shape={want}"):
+        md.experts_from_gguf(path, 0)

@@ -118,6 +118,23 @@ def test_bad_schemes_and_shapes_name_the_field():
                         q.scales, None, q.shape)
 
 
+@pytest.mark.parametrize("kind,group", [("int4", 32.0), ("int4", 128.0), ("int8", 32.0)])
+def test_a_group_size_that_is_not_an_int_is_a_type_error(kind, group):
+    # 32.0 == 32: accepted once, it failed later inside a reshape with a bare TypeError.
+    with pytest.raises(md.InvalidTypeError, match=f"group_size has {group!r}.*an int"):
+        md.QuantScheme(kind, group_size=group)
+
+
+def test_quantized_tensor_of_names_a_bad_qweight():
+    scheme = md.QuantScheme("int8")
+    with pytest.raises(md.InvalidArgumentError, match=r"qweight='torch.int8 \[4, 4\]'.*\[E, N, K\]"):
+        md.QuantizedTensor.of(scheme, torch.zeros(4, 4, dtype=torch.int8), torch.ones(4, 1))
+    with pytest.raises(md.InvalidTypeError, match="qweight.*a torch.Tensor"):
+        md.QuantizedTensor.of(scheme, [[[1]]], torch.ones(1, 1, 1))
+    with pytest.raises(md.InvalidTypeError, match="scheme"):
+        md.QuantizedTensor.of("int8", torch.zeros(1, 4, 4, dtype=torch.int8), torch.ones(1, 4, 1))
+
+
 # -- quantized layers -------------------------------------------------------------------
 from moe_dispatch.reference import moe_reference  # noqa: E402
 from moe_dispatch.testing import TOLERANCE, random_routing, rel_error  # noqa: E402
