@@ -75,20 +75,21 @@ def _budget_spent(measured: int, total: int, budget_s: float, fill: str) -> None
 
 def measure(runners: dict[str, Runner], config: MoEConfig, sizes: list[int], budget_s: float,
             default: str, reps: int = 5, serves: Serves = _everywhere
-            ) -> tuple[dict[int, str], Timings]:
+            ) -> tuple[dict[int, str], Timings, bool]:
     """policy="fastest": every runner at every bucket size, round-robin, medians. Buckets
-    left when the budget runs out get ``default`` (the priority choice)."""
+    left when the budget runs out get ``default`` (the priority choice); the first bucket
+    is always measured. Returns the table, the timings, and whether the budget sufficed."""
     start = time.perf_counter()
     flush = CacheFlush()
     table: dict[int, str] = {}
     timings: Timings = {}
     for n, tokens in enumerate(sizes, 1):
         elapsed = time.perf_counter() - start
-        if elapsed > budget_s:
+        if n > 1 and elapsed > budget_s:
             _budget_spent(n - 1, len(sizes), budget_s, f"the priority choice {default!r}")
             for t in sizes[n - 1:]:
                 table[t] = default
-            break
+            return table, timings, False
         if elapsed > 1.0:
             log.info("moe-dispatch: tuning %s: bucket %d/%d (T=%d), %.1f s so far",
                      config.describe(), n, len(sizes), tokens, elapsed)
@@ -98,14 +99,15 @@ def measure(runners: dict[str, Runner], config: MoEConfig, sizes: list[int], bud
             continue
         timings[tokens] = _time_bucket(runners, names, config, tokens, reps, flush)
         table[tokens] = pick_winner(timings[tokens], default)
-    return table, timings
+    return table, timings, True
 
 
 def measure_adaptive(runners: dict[str, Runner], config: MoEConfig, sizes: list[int],
                      budget_s: float, default: str, serves: Serves = _everywhere
-                     ) -> tuple[dict[int, str], Timings]:
+                     ) -> tuple[dict[int, str], Timings, bool]:
     """policy="auto": probe, bisect where winners differ, drop clear losers, within the
-    budget (the module docstring has the rules)."""
+    budget (the module docstring has the rules; the first measured bucket is measured
+    whatever the budget). Returns the table, the timings, and whether the budget sufficed."""
     start = time.perf_counter()
     flush = CacheFlush()
     n = len(sizes)
@@ -134,7 +136,7 @@ def measure_adaptive(runners: dict[str, Runner], config: MoEConfig, sizes: list[
             est *= (reps + 1) / 1e3
             if elapsed + est > budget_s:
                 return False
-        elif elapsed > budget_s:
+        elif timings and elapsed > budget_s:
             return False
         if elapsed > 1.0:
             log.info("moe-dispatch: tuning %s: T=%d, %.1f s so far", config.describe(),
@@ -161,7 +163,7 @@ def measure_adaptive(runners: dict[str, Runner], config: MoEConfig, sizes: list[
     if not complete:
         _budget_spent(len(timings), n, budget_s, "the nearest measured bucket's winner")
     table = {sizes[i]: _nearest(winners, i, default) for i in range(n)}
-    return table, {sizes[i]: med for i, med in sorted(timings.items())}
+    return table, {sizes[i]: med for i, med in sorted(timings.items())}, complete
 
 
 def _nearest(winners: dict[int, str], i: int, default: str) -> str:

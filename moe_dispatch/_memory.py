@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from itertools import combinations
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ._buckets import Timings, fastest_near
 from ._config import MoEConfig
@@ -54,10 +54,16 @@ def over_budget(rec: BackendRecord, config: MoEConfig, budget: float) -> str | N
 
 
 def within_memory(table: dict[int, str], timings: Timings, sizes: list[int],
-                  copies: Mapping[str, float], budget: float) -> tuple[dict[int, str], str]:
+                  copies: Mapping[str, float], budget: float,
+                  serves: Callable[[str, int], bool] | None = None) -> tuple[dict[int, str], str]:
     """``table`` if its backends together fit ``budget``; else the table over the set of
     candidates that fits and loses least to the unrestricted fastest (the sum over the
-    measured buckets of log(set's best / best)), fewer copies on a tie; and a note."""
+    measured buckets of log(set's best / best)), fewer copies on a tie; and a note. A
+    bucket moved to another backend goes only to one that ``serves(name, T)`` (its
+    ``max_tokens``)."""
+    def ok(n: str, t: int) -> bool:
+        return serves is None or serves(n, t)
+
     used = sorted(set(table.values()))
     if sum(copies[n] for n in used) <= budget or not timings:
         return table, ""
@@ -76,7 +82,8 @@ def within_memory(table: dict[int, str], timings: Timings, sizes: list[int],
         return table, ""
     best = min(fits, key=lambda s: (loss(s), sum(copies[n] for n in s), s))
     out = {t: table[t] if table[t] in best else
-           fastest_near(timings, sizes, t, best.__contains__) or best[0] for t in sizes}
+           fastest_near(timings, sizes, t, lambda n, t=t: n in best and ok(n, t))
+           or next((n for n in best if ok(n, t)), table[t]) for t in sizes}
     left = ", ".join(f"{n} ({copies[n]:g})" for n in used if n not in best)
     return out, (f"routed within max_weight_copies={budget:g}: {', '.join(best)} "
                  f"(the fastest per bucket, {' + '.join(used)}, would hold "

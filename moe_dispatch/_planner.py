@@ -66,7 +66,8 @@ def build_plan(config: MoEConfig, options: LayerOptions, config_stage: Resolutio
         note = f"policy={options.policy}: {note}"
     fmt = config.weight_format
     if table is None and res.forced is None and rec.spec.token_limit(fmt) is not None:
-        table, tuned, note = _limited(final, route, weights, build, options.tuning.max_tokens, fmt)
+        table, tuned, limited = _limited(final, route, weights, build, options.tuning.max_tokens, fmt)
+        note = f"{note}; {limited}" if note else limited
     routes = (route,) if table is None else tuple({id(r): r for r in table}.values())
     natives = None
     if guard is not None and any(pair_of(r) is not None for r in routes):

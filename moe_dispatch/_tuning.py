@@ -11,6 +11,7 @@ does not import the layer).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Callable
 
@@ -51,23 +52,27 @@ def _candidates(final: Resolution, chosen: Route, weights: LayerWeights,
 
 def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeights,
          build: Build, options: TuningOptions, runner: Callable[[Route], Runner]
-         ) -> tuple[tuple[Route, ...], dict[int, dict[str, Any]], str]:
+         ) -> tuple[tuple[Route, ...] | None, dict[int, dict[str, Any]] | None, str]:
     """The route of every bucket, from the tuning cache or measured now; bucket ->
     {"winner": name, "ms": {name: ms}, "source": how it was decided}; and a one-line
     summary (cost, candidates). ``runner(route)``: what a forward runs on that route (its
-    native entry, or its ``apply``). Only the winners' prepared states are kept (memory)."""
+    native entry, or its ``apply``). Only the winners' prepared states are kept (memory).
+    (None, None, summary) when the candidates cannot serve every bucket by their
+    ``max_tokens``: the plan routes as policy="priority" does then."""
     started = time.perf_counter()
     records = _candidates(final, chosen, weights, options.max_candidates)
     sizes = bucket_sizes(options.max_tokens)
     names = sorted(records)
     if len(names) == 1:
+        if chosen.record.spec.token_limit(config.weight_format) is not None:
+            return None, None, f"one candidate ({chosen.name}), which declares max_tokens"
         rows = {t: {"winner": chosen.name, "ms": {}, "source": "the only candidate"} for t in sizes}
         return (chosen,) * len(sizes), rows, f"one candidate ({chosen.name}): nothing to measure"
     cache = None if options.cache is False else TuningCache(
         None if options.cache in (None, True) else options.cache)  # type: ignore[arg-type]
     budget = weight_budget(config, options.max_weight_copies)
     key = tuning_key(config, final.capabilities, {n: records[n].spec.version for n in names},
-                     budget)
+                     budget, {v: os.environ.get(v) for n in names for v in records[n].spec.env_vars})
     cached = cache.get(key, names, sizes) if cache is not None else None
     if cached is not None and not options.adaptive and list(cached.measured) != sizes:
         cached = None  # "fastest" wants every bucket measured, not a probed table
@@ -108,16 +113,28 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
             return records[name].spec.serves(tokens, config.weight_format)
 
         fn = measure_adaptive if options.adaptive else measure
-        table, timings = fn(runners, config, sizes, options.budget_s, chosen.name, serves=serves)
+        table, timings, complete = fn(runners, config, sizes, options.budget_s, chosen.name,
+                                      serves=serves)
         table = within_limits(table, timings, sizes, {n: records[n] for n in prepared},
                               config.weight_format)
         table, fitted = within_memory(table, timings, sizes, {
-            n: records[n].spec.copies(config.weight_format) for n in prepared}, budget)
+            n: records[n].spec.copies(config.weight_format) for n in prepared}, budget, serves)
         measured = set(timings)
-        if cache is not None:
+        # Only a table measured as this machine would measure it at any time is kept: one
+        # cut short by the budget, or without a candidate that could not be prepared or run
+        # now (memory, a transient failure), would stand for good in every later process.
+        lost = sorted(set(names) - set(prepared))
+        why_not = ("the budget ran out" if not complete else
+                   f"{', '.join(lost)} not measured" if lost else "")
+        if cache is not None and not why_not:
             cache.put(key, table, timings, config)
         how = (f"measured at prepare() in {time.perf_counter() - started:.1f} s, "
-               f"{len(measured)} of {len(sizes)} buckets")
+               f"{len(measured)} of {len(sizes)} buckets"
+               + (f" (not cached: {why_not})" if cache is not None and why_not else ""))
+    if any(not records[table[t]].spec.serves(t, config.weight_format) for t in sizes):
+        # No prepared candidate serves some bucket (the others failed or were left out):
+        # the plan routes past the chosen backend's limit as policy="priority" does.
+        return None, None, f"{how}; no prepared candidate serves every bucket"
     routes = tuple(prepared[table[t]] for t in sizes)
     tuned = {t: {"winner": table[t], "ms": dict(timings.get(t, {})) if cached is None else {},
                  "source": _source(t, measured, cached is not None, options.adaptive)}

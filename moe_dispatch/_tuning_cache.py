@@ -1,12 +1,16 @@
 """The tuning cache: tuned routing tables persisted in a JSON file.
 
-Keyed by (config, capabilities fingerprint, thread count, candidates' versions), so a table
-is reused only on the machine, shape and kernels it was measured for. The file is data
-only: parsed with ``json``, validated, and ignored with a WARNING when corrupt or stale.
+Keyed by (config, capabilities fingerprint, CPU model, the thread count the table is measured
+with, candidates' versions and the values of the environment variables they read, this
+library's version), so a table is reused only on the machine, shape and kernels it was
+measured for. The file is data only: parsed with ``json``, validated, and ignored with a
+WARNING when corrupt or stale. Writers in several processes take an advisory lock on a file
+beside it, so that one's entry is never lost to another's read-merge-write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -16,9 +20,15 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import attrs
+import torch
+
+try:  # POSIX; elsewhere writers in one process are still serialised by the thread lock
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
 
 from ._capabilities import Capabilities
 from ._config import MoEConfig, dtype_name
@@ -42,9 +52,16 @@ class CachedTable:
 
 
 def tuning_key(config: MoEConfig, caps: Capabilities, versions: dict[str, str],
-               max_weight_copies: float = math.inf) -> str:
-    parts = [config.describe(), dtype_name(config.dtype), caps.fingerprint(), str(caps.threads),
-             json.dumps(sorted(versions.items()))]
+               max_weight_copies: float = math.inf,
+               env: dict[str, str | None] | None = None) -> str:
+    """The entry's key. The thread count is torch's now (what the table is measured with),
+    not ``caps.threads``, which ``Capabilities.detect()`` read once per process; ``env``: the
+    candidates' environment variables (``BackendSpec.env_vars``) and their values, which
+    may pick another build of a kernel (the native one's ISA) under the same version."""
+    from . import __version__  # built-in backends' versions are torch's: this names their code
+    parts = [config.describe(), dtype_name(config.dtype), caps.fingerprint(), caps.cpu_model,
+             str(torch.get_num_threads()), json.dumps(sorted(versions.items())),
+             json.dumps(sorted((env or {}).items())), f"moe-dispatch {__version__}"]
     if math.isfinite(max_weight_copies):  # a table fitted to a memory limit is its own
         parts.append(f"max_weight_copies={max_weight_copies:g}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
@@ -70,13 +87,14 @@ class TuningCache:
             text = self.path.read_text(encoding="utf-8")
         except FileNotFoundError:
             return {}
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: bytes that are not UTF-8
             log.warning("moe-dispatch: tuning cache %s unreadable (%s); ignored", self.path, exc)
             return {}
         try:
             data = json.loads(text)
-        except ValueError as exc:
-            log.warning("moe-dispatch: tuning cache %s is not valid JSON (%s); ignored", self.path, exc)
+        except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
+            log.warning("moe-dispatch: tuning cache %s is not valid JSON (%s: %s); ignored",
+                        self.path, type(exc).__name__, exc)
             return {}
         if (not isinstance(data, dict) or data.get("version") != CACHE_VERSION
                 or not isinstance(data.get("entries"), dict)):
@@ -97,21 +115,42 @@ class TuningCache:
     def put(self, key: str, table: dict[int, str], timings: dict[int, dict[str, float]],
             config: MoEConfig) -> None:
         """Store ``table``; the buckets with ``timings`` are the measured ones."""
-        with self._lock:
-            entries = self._read()
-            entries[key] = {"config": config.describe(),
-                            "buckets": {str(t): name for t, name in table.items()},
-                            "measured": sorted(timings),
-                            "timings_ms": {str(t): v for t, v in timings.items()},
-                            "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+        entry = {"config": config.describe(),
+                 "buckets": {str(t): name for t, name in table.items()},
+                 "measured": sorted(timings),
+                 "timings_ms": {str(t): v for t, v in timings.items()},
+                 "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        tmp = None
+        try:
+            with self._lock, self._locked():
+                entries = self._read()
+                entries[key] = entry
                 fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tuning-")
                 with os.fdopen(fd, "w", encoding="utf-8") as fh:
                     json.dump({"version": CACHE_VERSION, "entries": entries}, fh, indent=1)
                 os.replace(tmp, self.path)
-            except OSError as exc:
-                log.warning("moe-dispatch: cannot write tuning cache %s (%s)", self.path, exc)
+                tmp = None
+        except OSError as exc:
+            log.warning("moe-dispatch: cannot write tuning cache %s (%s)", self.path, exc)
+        finally:
+            if tmp is not None:  # the replace failed (the path is a directory, say)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """An exclusive advisory lock on ``<path>.lock`` (POSIX), held across the read, the
+        merge and the replace: another process's entry written meanwhile is kept."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if fcntl is None:
+            yield
+            return
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as fh:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
 def _validate_entry(entry: Any, candidates: list[str], sizes: list[int]) -> CachedTable | None:
@@ -119,7 +158,7 @@ def _validate_entry(entry: Any, candidates: list[str], sizes: list[int]) -> Cach
         return None
     table: dict[int, str] = {}
     for k, v in entry["buckets"].items():
-        if not (isinstance(k, str) and k.isdigit() and isinstance(v, str) and v in candidates):
+        if not (_bucket_key(k) and isinstance(v, str) and v in candidates):
             return None
         table[int(k)] = v
     if sorted(table) != sizes:
@@ -132,7 +171,12 @@ def _validate_entry(entry: Any, candidates: list[str], sizes: list[int]) -> Cach
     raw = entry.get("timings_ms")
     if isinstance(raw, dict):
         for k, row in raw.items():
-            if isinstance(k, str) and k.isdigit() and isinstance(row, dict) and all(
+            if _bucket_key(k) and isinstance(row, dict) and all(
                     isinstance(n, str) and isinstance(ms, (int, float)) for n, ms in row.items()):
                 timings[int(k)] = {n: float(ms) for n, ms in row.items()}
     return CachedTable(table, tuple(sorted(measured)), timings)
+
+
+def _bucket_key(k: Any) -> bool:
+    # str.isdigit() also accepts digits int() rejects ("\u00b9"); ASCII digits only.
+    return isinstance(k, str) and k.isascii() and k.isdigit()

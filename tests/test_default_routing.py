@@ -330,3 +330,55 @@ def test_candidates_dropped_beside_a_decode_kernel_are_timed_where_it_stops(defa
     assert {32, 64} <= set(gemm.calls) and max(decode.calls) <= 16
     assert 32 in slow.calls and 16 not in slow.calls
     assert "T<=32    gemm         measured" in layer.explain()
+
+
+def test_a_budget_of_zero_measures_t1_only(default_policy):
+    a, b = Paced(2, 2), Paced(4, 4)
+    with md.use_registry(_registry(a=(50, a), b=(40, b))):
+        for policy in ("auto", "fastest"):
+            a.calls.clear()
+            layer = md.MoELayer(CFG, policy=policy, tune_max_tokens=CAP, tune_budget_s=0,
+                                tuning_cache=False)
+            layer.load_weights(**random_weights(CFG)).prepare()
+            assert set(a.calls) == {1}, policy
+
+
+def test_a_table_cut_short_or_without_a_candidate_is_not_cached(default_policy, monkeypatch,
+                                                                 tmp_path):
+    """It would stand for good: later processes would read it, with the budget or the
+    memory they have, as this machine's measured answer."""
+    cache = tmp_path / "tuning.json"
+    small, large = Paced(2, 12), Paced(4, 3)
+    w = random_weights(CFG)
+    with md.use_registry(_registry(small=(50, small), large=(40, large))):
+        cut = md.MoELayer(CFG, tune_max_tokens=CAP, tune_budget_s=0, tuning_cache=cache)
+        cut.load_weights(**w).prepare()
+        assert "(not cached: the budget ran out)" in cut.explain() and not cache.exists()
+        with monkeypatch.context() as m:
+            m.setattr(_tuning, "available_bytes", lambda: 1024)
+            short = md.MoELayer(CFG, tune_max_tokens=CAP, tuning_cache=cache)
+            short.load_weights(**w).prepare()
+        assert "(not cached: large not measured)" in short.explain() and not cache.exists()
+        full = md.MoELayer(CFG, tune_max_tokens=CAP, tuning_cache=cache).load_weights(**w).prepare()
+        assert set(full.tuned_table.values()) == {"small", "large"}
+        assert "not cached" not in full.explain() and cache.exists()
+
+
+def test_a_lone_candidate_with_max_tokens_is_routed_past_it(default_policy, monkeypatch):
+    """max_candidates=1, or every other candidate left out of the tuning: the buckets above
+    the limit go to the next backend, as under policy="priority"."""
+    decode, gemm = Paced(1, 1), Paced(4, 3)
+    w = random_weights(CFG)
+    reg = md.Registry(load_entry_points=False)
+    reg.register(md.BackendSpec("decode", 50, decode, max_tokens=4))
+    reg.register(md.BackendSpec("gemm", 40, gemm))
+    want = {1: "decode", 2: "decode", 4: "decode", 8: "gemm", 16: "gemm", 32: "gemm", 64: "gemm"}
+    with md.use_registry(reg):
+        alone = md.MoELayer(CFG, tune_max_tokens=CAP, max_candidates=1, tuning_cache=False)
+        assert alone.load_weights(**w).prepare().tuned_table == want
+        monkeypatch.setattr(_tuning, "available_bytes", lambda: 1024)  # gemm not tuned
+        short = md.MoELayer(CFG, tune_max_tokens=CAP, tuning_cache=False).load_weights(**w).prepare()
+        assert short.tuned_table == want
+        assert "no prepared candidate serves every bucket" in short.explain()
+        for tokens in (3, 40):
+            _check(short, w, tokens, seed=tokens)

@@ -90,6 +90,9 @@ def test_within_memory_on_tables():
     assert out == {1: "a", 2: "a", 4: "c", 8: "c"} and "a, c" in note and "left out: b (1)" in note
     # Nothing measured: nothing to choose by, the table stands.
     assert within_memory(table, {}, sizes, copies, 1.0) == (table, "")
+    # A bucket moved off b goes only to a backend that serves it (c declares T <= 4).
+    out, _ = within_memory(table, timings, sizes, copies, 1.0, lambda n, t: n != "c" or t <= 4)
+    assert out == {1: "a", 2: "a", 4: "c", 8: "a"}
 
 
 def test_quantized_layers_hold_one_copy_by_default():
