@@ -19,7 +19,7 @@ from ._fastpath import COMPILER as _COMPILER, FLOAT_DTYPES as _FLOAT_DTYPES
 from ._fastpath import GLOBAL_HOOKS as _GLOBAL_HOOKS, ID_DTYPES as _ID_DTYPES, TENSOR as _Tensor
 from ._fastpath import dynamo_compiling as _dynamo_compiling, is_compiling as _is_compiling
 from ._fastpath import tracing_state as _tracing_state
-from ._errors import KernelError, LayerStateError, MoEDispatchError
+from ._errors import InvalidArgumentError, KernelError, LayerStateError, MoEDispatchError
 from ._options import LayerOptions
 from ._plan import Demotion, ExecutionPlan, Route
 from ._resolution import Resolution
@@ -204,6 +204,14 @@ class LayerCalls(torch.nn.Module):
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """Demote ``rec`` for this layer, swap in a plan without it, and run that."""
         error = f"{type(exc).__name__}: {exc}"
+        if any(_transformed(t) for t in (hidden_states, topk_weights, topk_ids)):
+            # The kernels read memory: under torch.func's transforms (vmap, grad) or
+            # functionalization they fail on the caller's tensors, not on their own faults,
+            # and demoting them one after another would leave the layer with none.
+            raise InvalidArgumentError(
+                "hidden_states", "a tensor under a torch.func transform (vmap, grad) or "
+                "functionalization", f"plain tensors: backend {rec.name!r} failed on it "
+                f"({error}); call the layer outside the transform") from exc
         if self.options.strict:
             raise KernelError(f"backend {rec.name!r} failed at run time ({error}); strict "
                               "mode forbids a fallback") from exc
@@ -230,3 +238,9 @@ class LayerCalls(torch.nn.Module):
                     raise KernelError(f"backend {rec.name!r} failed at run time ({error}) and no "
                                       f"fallback accepts this layer: {exc2}") from exc
         return self._run_python(hidden_states, topk_weights, topk_ids)
+
+
+def _transformed(t: object) -> bool:
+    """Whether ``t`` is a tensor wrapped by torch.func (vmap, grad) or functionalization."""
+    return isinstance(t, torch.Tensor) and (torch._C._functorch.is_functorch_wrapped_tensor(t)
+                                            or torch._is_functional_tensor(t))

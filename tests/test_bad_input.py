@@ -239,3 +239,26 @@ def test_threads_share_layers_and_caches():
         th.join(timeout=120)
     assert not any(th.is_alive() for th in threads)
     assert errors == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_call_under_vmap_demotes_no_backend(dtype):
+    """torch.func.vmap wraps the inputs in tensors without storage of their own: a kernel
+    that reads memory fails on them, which is the call's form, not the kernel's fault. The
+    call raises a typed error naming the transform (or, where the routed backend computes
+    under vmap, gives the right numbers), and the layer keeps every backend."""
+    cfg = md.MoEConfig(8, 2, 32, 16, dtype=dtype)
+    w = random_weights(cfg, seed=3)
+    layer = md.MoELayer(cfg).load_weights(w["w13"], w["w2"]).prepare()
+    before = layer.backend
+    x, tw, ids = random_routing(cfg, 3, seed=4)
+    xs = torch.stack([x, 2 * x])
+    try:
+        out = torch.func.vmap(lambda xi: layer(xi, tw, ids))(xs)
+    except md.InvalidArgumentError as exc:
+        assert "torch.func transform" in str(exc)
+    else:
+        for i in range(2):
+            assert rel_error(out[i], reference(cfg, w, xs[i], tw, ids)) <= TOLERANCE[dtype]
+    assert layer.demotions == () and layer.backend == before
+    assert rel_error(layer(x, tw, ids), reference(cfg, w, x, tw, ids)) <= TOLERANCE[dtype]

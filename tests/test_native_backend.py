@@ -10,6 +10,7 @@ the AVX2 build runs on AVX-512 machines too."""
 from __future__ import annotations
 
 import gc
+import math
 
 import pytest
 import torch
@@ -360,3 +361,40 @@ def test_quantized_weights_have_no_token_limit(build):
     auto = md.MoELayer(cfg, policy="auto", tuning_cache=False, tune_max_tokens=64, exclude=["zentorch"])
     auto.load_weights(qe).prepare()
     assert "native" in auto.plan.tuned[64]["ms"]  # timed at the largest bucket
+
+
+@pytest.mark.parametrize("scheme", [None, md.QuantScheme("int8"), md.QuantScheme("int4", group_size=32)],
+                         ids=lambda s: "bf16" if s is None else s.describe())
+@pytest.mark.parametrize("activation", ["silu", "gelu", "swigluoai"])
+def test_a_nan_reaches_its_tokens_output_only(build, scheme, activation):
+    """As in float math (docs/failure-modes.md): a NaN in a token's hidden states, or in its
+    router weight applied to the input, makes that token's output NaN and no other's. The
+    quantizers dropped it (max() keeps the number, NaN converted to int8 was 0), and
+    swigluoai's clamps turned it into the limit."""
+    for on_input in (False, True):
+        cfg = _cfg(scheme, activation=activation, top_k=1 if on_input else 2,
+                   apply_router_weight_on_input=on_input)
+        layer, ref_w, _ = _layer(cfg)
+        x, tw, ids = random_routing(cfg, 5, seed=4)
+        if on_input:
+            tw[2, 0] = math.nan
+        else:
+            x[2, 7] = math.nan
+        out = layer(x, tw, ids)
+        assert torch.isnan(out[2]).all(), (on_input, out[2])
+        rest = [0, 1, 3, 4]
+        want = moe_reference(cfg, x[rest], ref_w["w13"], ref_w["w2"], tw[rest], ids[rest])
+        assert rel_error(out[rest], want) <= ERROR_BOUND, on_input
+
+
+def test_a_negated_view_is_read_as_its_value(build):
+    """torch._neg_view's bytes are its value's negation; the entry declines it and the Python
+    path resolves it."""
+    cfg = _cfg(md.QuantScheme("int8"))
+    layer, ref_w, _ = _layer(cfg)
+    x, tw, ids = random_routing(cfg, 3, seed=5)
+    neg = torch._neg_view(x)
+    assert neg.is_neg() and neg.is_contiguous()
+    want = moe_reference(cfg, -x, ref_w["w13"], ref_w["w2"], tw, ids)
+    assert rel_error(layer(neg, tw, ids), want) <= ERROR_BOUND
+    assert rel_error(layer.run(neg, tw, ids, native=False), want) <= ERROR_BOUND

@@ -150,3 +150,38 @@ def test_an_edited_source_changes_the_build_key(tmp_path, monkeypatch):
     assert ext._key("/bin/sh") != before
     assert NativeExtension("m", [source], switch="X", dir_env="Y", what="m",
                            extra_cflags=("-O3",))._key("/bin/sh") != ext._key("/bin/sh")
+
+
+_GLOBAL = textwrap.dedent("""
+    import os, sys
+    sys.setdlopenflags(os.RTLD_NOW | os.RTLD_GLOBAL)  # as some MPI and launcher setups do
+    import torch, moe_dispatch as md
+    from moe_dispatch.testing import random_weights, random_routing, reference, rel_error
+    cfg = md.MoEConfig(4, 2, 256, 128, dtype=torch.bfloat16)
+    w = random_weights(cfg, seed=1)
+    x, tw, ids = random_routing(cfg, 4, seed=2)
+    want = reference(cfg, w, x, tw, ids)
+    for isa in sys.argv[1:]:
+        os.environ["MOE_DISPATCH_NATIVE_ISA"] = isa
+        layer = md.MoELayer(cfg, backend="native").load_weights(w["w13"], w["w2"]).prepare()
+        print(isa, rel_error(layer(x, tw, ids), want), flush=True)
+""")
+
+
+@needs_compiler
+def test_both_builds_in_one_process_under_rtld_global():
+    """Each build keeps its own code: with default-visibility symbols, the build loaded second
+    under RTLD_GLOBAL bound its calls to the first's same-named functions, whose layouts
+    differ (the avx2 build wrote floats into the avx512 build's uint16 buffer: SIGSEGV)."""
+    from moe_dispatch_backends.native import kernel
+
+    if not all(kernel.runs(isa, md.Capabilities.detect()) for isa in ("avx512", "avx2")):
+        pytest.skip("this CPU runs only one build of the native kernel")
+    for isa in ("avx512", "avx2"):
+        assert kernel.EXTENSIONS[isa].load() is not None, kernel.status(isa)
+    env = {**os.environ, "MOE_DISPATCH_DISABLE": "zentorch,vllm"}
+    run = subprocess.run([sys.executable, "-c", _GLOBAL, "avx512", "avx2"], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert run.returncode == 0, (run.returncode, run.stderr[-3000:])
+    errors = {line.split()[0]: float(line.split()[1]) for line in run.stdout.splitlines()}
+    assert set(errors) == {"avx512", "avx2"} and max(errors.values()) < 1e-2, errors

@@ -113,8 +113,9 @@ class NativeBackend(md.BackendBase):
             topk_ids.to(_I32).contiguous()
         tw = topk_weights if topk_weights.dtype is _F32 and topk_weights.is_contiguous() else \
             topk_weights.to(_F32).contiguous()
-        return state.experts.forward(hidden_states.contiguous(), tw, ids,
-                                     c.apply_router_weight_on_input)
+        # The kernel reads bytes: a lazily negated view's bytes are its value's negation.
+        return state.experts.forward(hidden_states.resolve_neg().contiguous(), tw.resolve_neg(),
+                                     ids, c.apply_router_weight_on_input)
 
     def fast_call(self, state: NativeState, guard: md.FastGuard) -> Any:
         c = state.config

@@ -19,8 +19,10 @@ inline float activate(int64_t act, float gate, float up) {
       return 0.5f * gate * (1.f + std::tanh(c * (gate + 0.044715f * gate * gate * gate))) * up;
     }
     default: {  // swigluoai: the gate clamped from above only, as gpt-oss does
+      // Operand order keeps a NaN, as torch's clamp does: std::min(a, b) and std::max(a, b)
+      // return a when the comparison with a NaN is false.
       const float g = std::min(gate, kSwigluLimit);
-      const float u = std::max(-kSwigluLimit, std::min(up, kSwigluLimit));
+      const float u = std::max(std::min(up, kSwigluLimit), -kSwigluLimit);
       return (u + 1.f) * g / (1.f + std::exp(-kSwigluAlpha * g));
     }
   }
@@ -65,8 +67,10 @@ inline void activate_units(int64_t act, const float* gate, const float* up, floa
         const __m512 in = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), _mm512_mul_ps(g, g), g);
         y = gated(g, _mm512_mul_ps(c, in), v);
       } else {  // swigluoai: the gate clamped from above only, up on both sides
-        g = _mm512_min_ps(g, _mm512_set1_ps(kSwigluLimit));
-        v = _mm512_max_ps(_mm512_set1_ps(-kSwigluLimit), _mm512_min_ps(v, _mm512_set1_ps(kSwigluLimit)));
+        // vminps / vmaxps return their second operand when either is NaN: the value goes
+        // second, so that a NaN passes as torch's clamp passes it.
+        g = _mm512_min_ps(_mm512_set1_ps(kSwigluLimit), g);
+        v = _mm512_max_ps(_mm512_set1_ps(-kSwigluLimit), _mm512_min_ps(_mm512_set1_ps(kSwigluLimit), v));
         y = gated(g, _mm512_mul_ps(_mm512_set1_ps(kSwigluAlpha), g), _mm512_add_ps(v, _mm512_set1_ps(1.f)));
       }
       _mm512_mask_storeu_ps(out + u, m, y);

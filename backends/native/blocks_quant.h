@@ -116,8 +116,16 @@ struct BlockInputs {
       const int64_t lo = g * group, hi = std::min(len, lo + group);
       if (hi <= lo) break;
       __m512 m = _mm512_setzero_ps();
-      for (int64_t k = lo; k < hi; k += 16)
-        m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail(k, hi), v + k)));
+      __mmask16 bad = 0;  // lanes that held a NaN or an infinity (vmaxps drops a NaN)
+      for (int64_t k = lo; k < hi; k += 16) {
+        const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(tail(k, hi), v + k));
+        bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_NLE_UQ);
+        m = _mm512_max_ps(m, a);
+      }
+      if (bad) {  // the group's values stay 0 and its scale is NaN: its dot products are NaN
+        s[i * groups + g] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
       const float amax = _mm512_reduce_max_ps(m);
       const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
       s[i * groups + g] = amax / 127.f;

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -67,11 +68,22 @@ inline int64_t up_row(int64_t act, int64_t inter, int64_t u) { return act == kSw
 inline int64_t int4_slot(int64_t j) { return j < 16 || j >= 48 ? j : (j < 32 ? j + 16 : j - 16); }
 
 // v[lo, hi) on one symmetric int8 scale (max|v| / 127, rounded to nearest even): store(k, q)
-// for each value; returns the scale.
+// for each value; returns the scale. A NaN or an infinity in the range: every q is 0 and the
+// scale NaN, so that the dot products with it are NaN, as the float math's are (std::max
+// would drop a NaN, and a NaN converted to an integer is undefined).
 template <class Store>
 inline float quantize_range(const float* v, int64_t lo, int64_t hi, Store store) {
   float amax = 0.f;
-  for (int64_t k = lo; k < hi; ++k) amax = std::max(amax, std::fabs(v[k]));
+  bool finite = true;
+  for (int64_t k = lo; k < hi; ++k) {
+    const float a = std::fabs(v[k]);
+    if (!(a <= std::numeric_limits<float>::max())) finite = false;
+    else amax = std::max(amax, a);
+  }
+  if (!finite) {
+    for (int64_t k = lo; k < hi; ++k) store(k, 0);
+    return std::numeric_limits<float>::quiet_NaN();
+  }
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
   for (int64_t k = lo; k < hi; ++k) store(k, static_cast<int32_t>(std::nearbyint(v[k] * inv)));
   return amax / 127.f;

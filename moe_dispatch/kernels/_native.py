@@ -90,7 +90,12 @@ class NativeExtension:
         # ``headers``, the module's own).
         digest = hashlib.sha256(b"".join(Path(h).read_bytes() for h in
                                          (INCLUDE_DIR / "moe_dispatch_fast_call.h", *headers))).hexdigest()
-        self.extra_cflags = list(extra_cflags) + [f"-DMOE_DISPATCH_TOOLKIT_H={digest[:16]}"]
+        # Hidden symbols: two builds of one source (the native kernel's avx2 and avx512) define
+        # the same inline functions with different code, and loaded with RTLD_GLOBAL the
+        # second bound its calls to the first's (heap corruption, measured). Only the module's
+        # init function (PYBIND11_MODULE marks it) needs to be visible.
+        self.extra_cflags = (list(extra_cflags) + ["-fvisibility=hidden", "-fvisibility-inlines-hidden"]
+                             + [f"-DMOE_DISPATCH_TOOLKIT_H={digest[:16]}"])
         self.extra_ldflags = list(extra_ldflags)
         self.before_build = before_build
         self.verbose = False

@@ -34,13 +34,21 @@ namespace py = pybind11;
 
 // Exactly torch.Tensor, as the layer's Python path asks (THPVariable_CheckExact also admits
 // nn.Parameter; a subclass may override anything), dense, on the CPU, 2-D, contiguous, of
-// this dtype and shape (rows < 0: any number of rows).
+// this dtype and shape (rows < 0: any number of rows), and its memory is its value: a
+// storage of its own (torch.func's vmap and grad wrap tensors without one, and say they are
+// contiguous torch.Tensors), no lazy negation or conjugation (torch._neg_view: the bytes are
+// the value's negation), no functionalization or Python dispatch in between.
 inline bool plain_input(PyObject* obj, at::ScalarType dtype, int64_t rows, int64_t cols) {
   if (Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) return false;
   const at::Tensor& t = THPVariable_Unpack(obj);
+  static const c10::DispatchKeySet wrapped({c10::DispatchKey::FuncTorchBatched,
+                                            c10::DispatchKey::FuncTorchGradWrapper,
+                                            c10::DispatchKey::Functionalize,
+                                            c10::DispatchKey::Python});
   return t.layout() == at::kStrided && t.is_cpu() && t.scalar_type() == dtype &&
          t.dim() == 2 && (rows < 0 || t.size(0) == rows) && t.size(1) == cols &&
-         t.is_contiguous();
+         t.is_contiguous() && t.has_storage() && !t.is_neg() && !t.is_conj() &&
+         !t.key_set().has_any(wrapped);
 }
 
 // What a layer's plan fixes for its entry: the forward's shape constants and the caller's
