@@ -277,3 +277,36 @@ def test_a_weakly_held_layer_whose_weights_are_gone_refuses_to_copy():
     gc.collect()
     with pytest.raises(md.LayerStateError, match="keep_canonical=False"):
         copy.deepcopy(layer)
+
+
+def test_prepare_runs_outside_the_callers_autocast():
+    """A transformers model first run under torch.autocast builds its layers there: a
+    backend's warm-up check then compared its kernel with a bf16 reference and failed, and
+    the tuning would time other kernels than the forward runs."""
+    seen: list[bool] = []
+
+    class Recording(md.BackendBase):
+        def supports_config(self, config, capabilities):
+            return md.accept()
+
+        def process_weights(self, weights, capabilities):
+            seen.append(torch.is_autocast_enabled("cpu"))
+            return weights
+
+        def apply(self, state, x, tw, ids):
+            seen.append(torch.is_autocast_enabled("cpu"))
+            from moe_dispatch.kernels import expert_loop
+            return expert_loop(state, x, tw, ids)
+
+    reg = md.Registry(load_entry_points=False)
+    from moe_dispatch_backends import torch_loop
+    reg.register(torch_loop, name="torch")
+    reg.register(md.BackendSpec("recording", 50, Recording()))
+    w = random_weights(CFG)
+    with md.use_registry(reg), torch.autocast("cpu", dtype=torch.bfloat16):
+        layer = md.MoELayer(CFG, policy="auto", tuning_cache=False, tune_max_tokens=2)
+        layer.load_weights(**w).prepare()
+        assert torch.is_autocast_enabled("cpu")  # the caller's context is back
+    assert seen and not any(seen), seen
+    x, tw, ids = random_routing(CFG, 3)
+    assert rel_error(layer(x, tw, ids), reference(CFG, w, x, tw, ids)) <= TOLERANCE[torch.float32]
