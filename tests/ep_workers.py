@@ -28,11 +28,23 @@ def _model(dtype, bias, experts=10, hidden=64, inter=32, tokens=9, top_k=4):
     return w, x, tw, ids
 
 
-def _init(rank, world, port):
+def _init(rank, world, port, timeout_s=60):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+
+
+def _attempt(seen, name, fn):
+    """Records the ExpertParallelError's message (and its cause's type), or what went wrong."""
+    try:
+        fn()
+        seen[name] = "no error"
+    except ExpertParallelError as exc:
+        cause = f" [cause: {type(exc.__cause__).__name__}]" if exc.__cause__ is not None else ""
+        seen[name] = f"{exc}{cause}"
+    except Exception as exc:  # any other error type is a test failure
+        seen[name] = f"WRONG TYPE {type(exc).__name__}: {exc}"
 
 
 def parity_worker(rank, world, port, outdir):
@@ -78,13 +90,7 @@ def error_worker(rank, world, port, outdir):
     mine = list(good.local_expert_ids)
 
     def attempt(name, fn):
-        try:
-            fn()
-            seen[name] = "no error"
-        except ExpertParallelError as exc:
-            seen[name] = str(exc)
-        except Exception as exc:  # any other error type is a test failure
-            seen[name] = f"WRONG TYPE {type(exc).__name__}: {exc}"
+        _attempt(seen, name, fn)
 
     # 1. An expert id owned by no rank (>= E): rejected on every rank, before the all-reduce.
     layer = setup_expert_parallel(good, w["w13"][mine], w["w2"][mine])
@@ -109,4 +115,47 @@ def error_worker(rank, world, port, outdir):
     seen["after"] = "ok" if out.shape == x.shape else "bad"
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as fh:
         json.dump(seen, fh)
+    dist.destroy_process_group()
+
+
+def mismatch_worker(rank, world, port, outdir):
+    """Rank 1 differs from rank 0 in one way per case; every rank must raise, none may hang.
+
+    The process-group timeout is short so that a regression (a rank left waiting in a
+    collective) fails in seconds. Cases that left ranks out of step before the fix come last.
+    """
+    _init(rank, world, port, timeout_s=20)
+    seen = {}
+    w, x, tw, ids = _model(torch.float32, False)
+    good = md.MoEConfig(10, 4, 64, 32, dtype=torch.float32, ep_size=world, ep_rank=rank)
+    mine = list(good.local_expert_ids)
+    layer = setup_expert_parallel(good, w["w13"][mine], w["w2"][mine])
+    try:
+        one = rank == 1
+        # Routing that differs: before the fix, silently wrong sums. The flipped ids keep the
+        # same sum, so a plain sum of ids would not see them.
+        _attempt(seen, "ids_differ", lambda: ep_forward(layer, x, tw, ids.flip(0) if one else ids))
+        tw2 = tw.clone()
+        tw2[2, 0] += 0.25
+        _attempt(seen, "weights_differ", lambda: ep_forward(layer, x, tw2 if one else tw, ids))
+        # Errors that are not MoEDispatchErrors, on rank 1 only.
+        _attempt(seen, "config_dict", lambda: setup_expert_parallel(
+            {"num_experts": 10} if one else good, w["w13"][mine], w["w2"][mine]))
+        _attempt(seen, "misspelled_option", lambda: setup_expert_parallel(
+            good, w["w13"][mine], w["w2"][mine], **({"tuning_cach": False} if one else {})))
+        broken = setup_expert_parallel(good, w["w13"][mine], w["w2"][mine])
+        if one:  # a kernel failing at run time on one rank
+            def boom(*args, **kwargs):
+                raise RuntimeError("simulated kernel failure")
+            broken.forward = boom
+        _attempt(seen, "kernel_failure", lambda: ep_forward(broken, x, tw, ids))
+        # Different token counts: before the fix, a hang (0 vs 5) or a crash (3 vs 5).
+        for n in (0, 3):
+            t = n if one else 5
+            _attempt(seen, f"tokens_{n}", lambda: ep_forward(layer, x[:t], tw[:t], ids[:t]))
+        # The group still works afterwards.
+        _attempt(seen, "after", lambda: ep_forward(layer, x, tw, ids))
+    finally:  # what each case gave, even when one broke the group
+        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as fh:
+            json.dump(seen, fh)
     dist.destroy_process_group()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import pytest
 import torch
@@ -20,14 +21,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(fn, world, tmp_path):
+def _spawn(fn, world, tmp_path, timeout_s=240.0):
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=fn, args=(r, world, port, str(tmp_path))) for r in range(world)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout_s
     for p in procs:
-        p.join(timeout=240)
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.kill()
@@ -166,3 +168,39 @@ def test_errors_reach_every_rank_without_hanging(tmp_path):
     assert "ep_size" in results[0]["ep_size"]
     for seen in results:  # ranks that disagree on placement get an error, never wrong sums
         assert "ranks disagree on placement" in seen["placement"] and "rank(s) [0, 1]" in seen["placement"], seen
+
+
+@pytest.fixture(scope="module")
+def mismatches(tmp_path_factory):
+    """One 2-rank run of ep_workers.mismatch_worker: rank 1 differs from rank 0 in one way
+    per case. The worker's 20 s process-group timeout and this deadline make a rank left
+    waiting fail the tests in about a minute."""
+    results = _spawn(ep_workers.mismatch_worker, 2, tmp_path_factory.mktemp("mismatch"), timeout_s=90)
+    assert all(seen.get("after") == "no error" for seen in results), results
+    return results
+
+
+def test_different_token_counts_raise_on_every_rank(mismatches):
+    for seen in mismatches:
+        for n in (0, 3):
+            msg = seen[f"tokens_{n}"]
+            assert msg.startswith("the expert-parallel forward failed on rank(s) [0, 1]"), msg
+            assert f"tokens (hidden_states.shape[0]): 5 on rank(s) [0], {n} on rank(s) [1]" in msg, msg
+            assert "every rank must pass the same tokens" in msg, msg
+
+
+def test_errors_of_any_type_reach_every_rank(mismatches):
+    rank0, rank1 = mismatches
+    for name, own in (("config_dict", "expected a moe_dispatch.MoEConfig"), ("misspelled_option", "tuning_cach"),
+                      ("kernel_failure", "RuntimeError: simulated kernel failure")):
+        assert "rank(s) [1] (this is rank 0)" in rank0[name], (name, rank0[name])
+        assert "rank(s) [1] (this is rank 1)" in rank1[name] and own in rank1[name], (name, rank1[name])
+    assert rank1["kernel_failure"].endswith("[cause: RuntimeError]")  # raised `from` the error
+
+
+def test_different_routing_raises_on_every_rank(mismatches):
+    for seen in mismatches:
+        for name, field in (("ids_differ", "topk_ids"), ("weights_differ", "topk_weights")):
+            msg = seen[name]
+            assert msg.startswith("the expert-parallel forward failed on rank(s) [0, 1]"), msg
+            assert f"ranks disagree on {field}" in msg and "every rank must pass the same" in msg, msg
