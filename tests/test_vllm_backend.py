@@ -222,3 +222,23 @@ def test_the_entry_takes_only_plain_calls(data):
     if out is not None:
         x, tw, ids = args
         assert rel_error(out, reference(cfg, w, x, tw, ids)) <= TOLERANCE[torch.float32]
+
+
+def test_simulated_amx_is_refused_where_the_cpu_lacks_it():
+    """Simulated Sapphire Rapids (AMX) on a CPU without it: the amx path's tile instructions
+    killed the process (SIGILL) when the tuner timed the backend; the layer stage refuses it."""
+    if md.Capabilities.detect().amx_tile:
+        pytest.skip("this CPU has AMX: the simulated machine's path runs for real")
+    cfg = md.MoEConfig(8, 2, 64, 32, dtype=torch.bfloat16)
+    w = random_weights(cfg, seed=1)
+    spr = machine("sapphire_rapids")
+    res = md.resolve(cfg, capabilities=spr)
+    cand = next((c for c in res.candidates if c.name == "vllm"), None)
+    if cand is None or not cand.decision.accepted:
+        pytest.skip(f"vllm does not accept the config on the simulated machine here: "
+                    f"{cand.decision.reason if cand else 'not registered'}")
+    with pytest.raises(md.BackendRejectedError, match="simulated.*AMX"):
+        md.MoELayer(cfg, backend="vllm", capabilities=spr).load_weights(w["w13"], w["w2"]).prepare()
+    layer = md.MoELayer(cfg, capabilities=spr, tuning_cache=False, policy="auto")
+    layer.load_weights(w["w13"], w["w2"]).prepare()  # the tuner leaves it out, the process lives
+    assert "vllm" not in (layer.tuned_table or {}).values()

@@ -64,18 +64,22 @@ class VllmBackend(md.BackendBase):
         if config.hidden_size % ALIGN:
             return md.reject(f"hidden_size={config.hidden_size} is not a multiple of {ALIGN}, "
                              "which the kernel requires (only I is padded)")
-        isa = "amx" if capabilities.amx_tile and config.dtype == torch.bfloat16 else "vec"
+        isa = _isa(capabilities, config.dtype)
         return md.accept(f"vLLM cpu_fused_moe ({isa}, {dtype_name(config.dtype)})")
 
     def supports_layer(self, weights: md.LayerWeights, capabilities: md.Capabilities) -> md.Decision:
         for name, t in weights.tensors():
             if t.device.type != "cpu" or t.layout != torch.strided:
                 return md.reject(f"{name} must be a dense CPU tensor (got {t.device}, {t.layout})")
+        if _isa(capabilities, weights.config.dtype) == "amx" and not md.Capabilities.detect().amx_tile:
+            # The layer stage runs here, on the real CPU: the amx path's tile instructions
+            # would kill the process (SIGILL, measured with simulated Sapphire Rapids on Zen 4).
+            return md.reject("the capabilities (simulated) have AMX, which this CPU lacks: the "
+                             "kernel's amx path would execute instructions it cannot")
         return md.accept("prepacked private copies (I padded to a multiple of 32)")
 
     def process_weights(self, weights: md.LayerWeights, capabilities: md.Capabilities) -> VllmState:
-        isa = "amx" if capabilities.amx_tile and weights.config.dtype == torch.bfloat16 else "vec"
-        return build_state(weights, isa, _op_caller())
+        return build_state(weights, _isa(capabilities, weights.config.dtype), _op_caller())
 
     def apply(self, state: VllmState, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
@@ -131,3 +135,8 @@ def moe_dispatch_backends() -> list[md.BackendSpec]:
 
 
 __all__ = ["NAME", "PRIORITY", "VllmBackend", "VllmState"]
+
+
+def _isa(capabilities: md.Capabilities, dtype: torch.dtype) -> str:
+    """The kernel's isa argument: "amx" for bf16 where the machine has AMX tiles, else "vec"."""
+    return "amx" if capabilities.amx_tile and dtype == torch.bfloat16 else "vec"
