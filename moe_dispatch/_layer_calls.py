@@ -21,7 +21,7 @@ from ._fastpath import dynamo_compiling as _dynamo_compiling, is_compiling as _i
 from ._fastpath import tracing_state as _tracing_state
 from ._errors import InvalidArgumentError, KernelError, LayerStateError, MoEDispatchError
 from ._options import LayerOptions
-from ._plan import Demotion, ExecutionPlan, Route
+from ._plan import Demotion, ExecutionPlan, Route, bad_output
 from ._resolution import Resolution
 from ._spec import BackendRecord, storage_id
 from ._validation import check_forward
@@ -165,7 +165,7 @@ class LayerCalls(torch.nn.Module):
                         return self._run_checked(hidden_states, topk_weights, topk_ids)
                 route = plan.route if plan.table is None else plan.route_for(shape[0])
                 try:
-                    return route.apply(route.state, hidden_states, topk_weights, topk_ids)
+                    out = route.apply(route.state, hidden_states, topk_weights, topk_ids)
                 except MoEDispatchError:
                     raise
                 except Exception as exc:
@@ -173,6 +173,10 @@ class LayerCalls(torch.nn.Module):
                     # that raises the typed error here, and the backend is not blamed.
                     check_forward(self.config, hidden_states, topk_weights, topk_ids)
                     return self._fall_back(route.record, exc, hidden_states, topk_weights, topk_ids)
+                if type(out) is _Tensor and out.shape == shape and out.dtype is plan.dtype:
+                    return out
+                return self._fall_back(route.record, bad_output(out, shape, plan.dtype),
+                                       hidden_states, topk_weights, topk_ids)
         return self._run_checked(hidden_states, topk_weights, topk_ids)
 
     def _current_plan(self) -> ExecutionPlan:
@@ -194,11 +198,16 @@ class LayerCalls(torch.nn.Module):
         if tokens == 0:
             return hidden_states.new_empty((0, self.config.hidden_size))
         try:
-            return route.apply(route.state, hidden_states, topk_weights, topk_ids)
+            out = route.apply(route.state, hidden_states, topk_weights, topk_ids)
         except MoEDispatchError:
             raise  # a typed input error from the backend, not a kernel failure
         except Exception as exc:
             return self._fall_back(route.record, exc, hidden_states, topk_weights, topk_ids)
+        shape = (tokens, self.config.hidden_size)
+        if isinstance(out, torch.Tensor) and out.shape == shape and out.dtype == hidden_states.dtype:
+            return out
+        return self._fall_back(route.record, bad_output(out, shape, hidden_states.dtype),
+                               hidden_states, topk_weights, topk_ids)
 
     def _fall_back(self, rec: BackendRecord, exc: Exception, hidden_states: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -244,3 +253,4 @@ def _transformed(t: object) -> bool:
     """Whether ``t`` is a tensor wrapped by torch.func (vmap, grad) or functionalization."""
     return isinstance(t, torch.Tensor) and (torch._C._functorch.is_functorch_wrapped_tensor(t)
                                             or torch._is_functional_tensor(t))
+

@@ -12,6 +12,7 @@ import attrs
 import torch
 
 from ._canonical import CanonicalWeights
+from ._errors import KernelError
 from ._resolution import Resolution
 from ._spec import BackendRecord
 
@@ -119,3 +120,11 @@ class ExecutionPlan:
         if self.table is None:
             return (self.route,)
         return tuple({id(r): r for r in self.table}.values())
+
+
+def bad_output(out: object, shape: tuple[int, ...], dtype: torch.dtype) -> KernelError:
+    """A backend's apply returned something other than the [T, H] output in the input's dtype
+    (a plugin's bug): a kernel failure, never handed to the caller."""
+    got = (f"a {out.dtype} tensor of shape {list(out.shape)}" if isinstance(out, torch.Tensor)
+           else f"{type(out).__name__}")
+    return KernelError(f"apply returned {got}; expected a {dtype} tensor of shape {list(shape)}")

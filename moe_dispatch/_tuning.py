@@ -15,10 +15,12 @@ import os
 import time
 from typing import Any, Callable
 
+import torch
+
 
 from ._config import MoEConfig
 from ._options import TuningOptions
-from ._plan import Route
+from ._plan import Route, bad_output
 from ._random import random_inputs
 from ._resolution import Resolution, Status
 from ._resolver import call_check
@@ -175,7 +177,9 @@ def _working_runners(prepared: dict[str, Route], chosen: str, config: MoEConfig,
     for name in [n for n in prepared if n != chosen]:
         r = prepared[name]
         try:
-            r.apply(r.state, x, tw, ids)
+            out = r.apply(r.state, x, tw, ids)
+            if not (isinstance(out, torch.Tensor) and out.shape == x.shape and out.dtype == x.dtype):
+                raise bad_output(out, tuple(x.shape), x.dtype)  # doing nothing is fast: never a winner
         except Exception as exc:
             log.warning("moe-dispatch: %r failed a tuning call (%s: %s); not a candidate",
                         name, type(exc).__name__, exc)

@@ -310,3 +310,39 @@ def test_prepare_runs_outside_the_callers_autocast():
     assert seen and not any(seen), seen
     x, tw, ids = random_routing(CFG, 3)
     assert rel_error(layer(x, tw, ids), reference(CFG, w, x, tw, ids)) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("kind", ["none", "shape", "dtype", "list"])
+def test_an_apply_that_returns_no_output_is_a_kernel_failure(kind):
+    """A plugin's apply that returns None, a list or a tensor of another shape or dtype: the
+    caller never gets it (the backend is demoted, as for a kernel that raises), and the
+    default routing never times it as a winner (doing nothing is fast)."""
+    class Bad(md.BackendBase):
+        def supports_config(self, config, capabilities):
+            return md.accept()
+
+        def process_weights(self, weights, capabilities):
+            return weights
+
+        def apply(self, state, x, tw, ids):
+            return {"none": None, "list": [1, 2, 3],
+                    "shape": torch.zeros(x.shape[0], 3, dtype=x.dtype),
+                    "dtype": torch.zeros(x.shape, dtype=torch.float64)}[kind]
+
+    from moe_dispatch_backends import torch_loop
+    reg = md.Registry(load_entry_points=False)
+    reg.register(torch_loop, name="torch")
+    reg.register(md.BackendSpec("bad", 50, Bad()))
+    w = random_weights(CFG)
+    x, tw, ids = random_routing(CFG, 3)
+    with md.use_registry(reg):
+        for policy in ("priority", "auto"):
+            layer = md.MoELayer(CFG, policy=policy, tuning_cache=False, tune_max_tokens=4)
+            layer.load_weights(**w).prepare()
+            out = layer(x, tw, ids)
+            assert rel_error(out, reference(CFG, w, x, tw, ids)) <= TOLERANCE[torch.float32]
+            if policy == "auto":
+                assert "bad" not in (layer.tuned_table or {}).values()
+            else:
+                assert [d.backend for d in layer.demotions] == ["bad"]
+                assert "apply returned" in layer.demotions[0].error
