@@ -77,6 +77,10 @@ def _build_plan(config: MoEConfig, options: LayerOptions, config_stage: Resoluti
     if table is None and res.forced is None and rec.spec.token_limit(fmt) is not None:
         table, tuned, limited = _limited(final, route, weights, build, options.tuning.max_tokens, fmt)
         note = f"{note}; {limited}" if note else limited
+    if table is not None and all(r is not route for r in table):
+        # No token count runs on the resolver's choice: its prepared state (a copy of the
+        # weights) is not kept, and the layer's backend is the route of T=1.
+        route = table[0]
     routes = (route,) if table is None else tuple({id(r): r for r in table}.values())
     natives = None
     if guard is not None and any(pair_of(r) is not None for r in routes):

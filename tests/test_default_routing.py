@@ -382,3 +382,35 @@ def test_a_lone_candidate_with_max_tokens_is_routed_past_it(default_policy, monk
         assert "no prepared candidate serves every bucket" in short.explain()
         for tokens in (3, 40):
             _check(short, w, tokens, seed=tokens)
+
+
+def test_a_resolver_choice_that_wins_no_bucket_is_not_kept(default_policy):
+    """Its prepared state (a copy of the weights in a real backend) would be held for no
+    token count, past max_weight_copies; the layer's backend is then the route of T=1."""
+    import gc
+    import weakref
+
+    class Holder:
+        def __init__(self, weights):
+            self.weights = weights
+
+    states: list = []
+
+    class Keeping(Paced):
+        def process_weights(self, weights, capabilities):
+            state = Holder(super().process_weights(weights, capabilities))
+            states.append(weakref.ref(state))
+            return state
+
+        def apply(self, state, x, tw, ids):
+            return super().apply(state.weights, x, tw, ids)
+
+    slow, fast = Keeping(9, 9), Paced(1, 1)  # slow is the priority choice, fast wins all
+    with md.use_registry(_registry(slow=(50, slow), fast=(40, fast))):
+        layer = md.MoELayer(CFG, tune_max_tokens=CAP, tuning_cache=False)
+        w = random_weights(CFG)
+        layer.load_weights(**w).prepare()
+        assert set(layer.tuned_table.values()) == {"fast"} and layer.backend == "fast"
+        gc.collect()
+        assert states and all(ref() is None for ref in states)
+        _check(layer, w, 3)
