@@ -287,3 +287,28 @@ def test_a_thread_count_change_after_prepare(dtype, native):
         assert len(got) == 1 and torch.equal(got[0], want) and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+_OFF_THEN_ON = """
+import os, torch
+os.environ["MOE_DISPATCH_NO_ZENTORCH"] = "1"
+import moe_dispatch as md
+cfg = md.MoEConfig(8, 2, 64, 32, dtype=torch.float32)
+zen = lambda: next(c for c in md.resolve(cfg).candidates if c.name == "zentorch").decision
+print(zen().accepted, "MOE_DISPATCH_NO_ZENTORCH" in zen().reason)
+del os.environ["MOE_DISPATCH_NO_ZENTORCH"]
+print(zen().accepted, zen().reason)
+"""
+
+
+@pytest.mark.skipif(not ZENTORCH_OK, reason=ZENTORCH_WHY)
+def test_the_off_switch_is_read_at_each_resolution():
+    """MOE_DISPATCH_NO_ZENTORCH set at start, then unset in the same process: zentorch comes
+    back (its 'off' answer was cached for the process, still quoting the variable as set)."""
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-c", _OFF_THEN_ON], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    first, second = run.stdout.strip().splitlines()[-2:]
+    assert first == "False True" and second.startswith("True"), run.stdout

@@ -56,14 +56,21 @@ def _ops_present() -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=1)
 def load() -> tuple[bool, str]:
-    """(ops registered, status text). Loads at most one build, once per process."""
+    """(ops registered, status text). Loads at most one build, once per process. The switch
+    is read on every call, not cached with the load: unsetting it later brings vllm back."""
+    if _ops_present():
+        return True, f"ops already registered in this process ({version() or 'vLLM'})"
+    if os.environ.get("MOE_DISPATCH_NO_VLLM", "").strip() not in ("", "0"):
+        return False, "not loaded: MOE_DISPATCH_NO_VLLM is set"
+    return _loaded()
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded() -> tuple[bool, str]:
     with _LOCK:
         if _ops_present():
             return True, f"ops already registered in this process ({version() or 'vLLM'})"
-        if os.environ.get("MOE_DISPATCH_NO_VLLM", "").strip() not in ("", "0"):
-            return False, "not loaded: MOE_DISPATCH_NO_VLLM is set"
         try:
             spec = importlib.util.find_spec("vllm")  # locates the package, runs none of it
         except (ImportError, ValueError):

@@ -42,11 +42,17 @@ __all__ = ["NAME", "OP_NAME", "PRIORITY", "ZentorchBackend", "ZentorchState", "a
            "library_status", "run_op", "schema_problem"]
 
 
-@functools.lru_cache(maxsize=1)
 def library_status() -> tuple[str | None, str]:
-    """(version, text): zentorch imported (which registers its op), or why it was not."""
+    """(version, text): zentorch imported (which registers its op), or why it was not. The
+    switch is read on every call, not cached with the import: unsetting it later in the
+    process brings zentorch back."""
     if _gate._disabled():
         return None, f"not imported: {_gate.NO_ZENTORCH} is set"
+    return _imported()
+
+
+@functools.lru_cache(maxsize=1)
+def _imported() -> tuple[str | None, str]:
     try:
         import zentorch  # noqa: F401  (importing registers torch.ops.zentorch)
     except Exception as exc:  # ImportError, or a broken build raising anything else
