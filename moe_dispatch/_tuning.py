@@ -36,9 +36,10 @@ Build = Callable[[BackendRecord], Any]
 
 
 def _candidates(final: Resolution, chosen: Route, weights: LayerWeights,
-                max_candidates: int | None) -> dict[str, BackendRecord]:
+                max_candidates: int | None, left: dict[str, str]) -> dict[str, BackendRecord]:
     """The resolver's choice, then every other backend that accepts the layer, in priority
-    order, up to ``max_candidates``. Nothing is prepared here."""
+    order, up to ``max_candidates``; those whose supports_layer says no go in ``left`` with
+    the reason. Nothing is prepared here."""
     caps = final.capabilities
     records: dict[str, BackendRecord] = {chosen.name: chosen.record}
     for cand in final.candidates:
@@ -47,8 +48,13 @@ def _candidates(final: Resolution, chosen: Route, weights: LayerWeights,
         if cand.name in records or cand.status not in (Status.STANDBY, Status.CHOSEN):
             continue
         other = final.record(cand.name)
-        if other is not None and call_check(other, "supports_layer", weights, caps).accepted:
+        if other is None:
+            continue
+        decision = call_check(other, "supports_layer", weights, caps)
+        if decision.accepted:
             records[other.name] = other
+        else:
+            left[other.name] = f"rejects the layer: {decision.reason}"
     return records
 
 
@@ -62,14 +68,17 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
     (None, None, summary) when the candidates cannot serve every bucket by their
     ``max_tokens``: the plan routes as policy="priority" does then."""
     started = time.perf_counter()
-    records = _candidates(final, chosen, weights, options.max_candidates)
+    left: dict[str, str] = {}  # backends not timed, and why: explain() shows them
+    records = _candidates(final, chosen, weights, options.max_candidates, left)
     sizes = bucket_sizes(options.max_tokens)
     names = sorted(records)
     if len(names) == 1:
         if chosen.record.spec.token_limit(config.weight_format) is not None:
-            return None, None, f"one candidate ({chosen.name}), which declares max_tokens"
+            return None, None, (f"one candidate ({chosen.name}), which declares max_tokens"
+                                f"{_not_tuned(left)}")
         rows = {t: {"winner": chosen.name, "ms": {}, "source": "the only candidate"} for t in sizes}
-        return (chosen,) * len(sizes), rows, f"one candidate ({chosen.name}): nothing to measure"
+        return (chosen,) * len(sizes), rows, (f"one candidate ({chosen.name}): nothing to "
+                                              f"measure{_not_tuned(left)}")
     cache = None if options.cache is False else TuningCache(
         None if options.cache in (None, True) else options.cache)  # type: ignore[arg-type]
     budget = weight_budget(config, options.max_weight_copies)
@@ -82,7 +91,6 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
     fitted = ""
 
     need = 2 * sum(t.numel() * t.element_size() for _, t in weights.tensors())
-    skipped: list[str] = []
 
     def prepare_all(wanted: list[str]) -> None:
         for name in wanted:
@@ -94,12 +102,14 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
                     # OOM killer.
                     log.warning("moe-dispatch: %r not prepared for tuning: %d MiB available, "
                                 "%d MiB wanted", name, free >> 20, need >> 20)
-                    skipped.append(name)
+                    left[name] = (f"not prepared: memory ({free >> 20} MiB available, "
+                                  f"{need >> 20} MiB wanted)")
                     continue
                 try:
                     prepared[name] = Route(records[name], build(records[name]))
                 except Exception as exc:  # a candidate that cannot prepare is not used
                     log.warning("moe-dispatch: %r could not be prepared for tuning (%s)", name, exc)
+                    left[name] = f"could not be prepared ({type(exc).__name__}: {exc})"
 
     if cached is not None:
         prepare_all(sorted(set(cached.winners.values())))  # a hit prepares only the winners
@@ -110,7 +120,7 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
         how = f"table from the tuning cache {cache.path}"  # type: ignore[union-attr]
     else:
         prepare_all(names)
-        runners = _working_runners(prepared, chosen.name, config, runner)
+        runners = _working_runners(prepared, chosen.name, config, runner, left)
         def serves(name: str, tokens: int) -> bool:
             return records[name].spec.serves(tokens, config.weight_format)
 
@@ -136,15 +146,18 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
     if any(not records[table[t]].spec.serves(t, config.weight_format) for t in sizes):
         # No prepared candidate serves some bucket (the others failed or were left out):
         # the plan routes past the chosen backend's limit as policy="priority" does.
-        return None, None, f"{how}; no prepared candidate serves every bucket"
+        return None, None, f"{how}{_not_tuned(left)}; no prepared candidate serves every bucket"
     routes = tuple(prepared[table[t]] for t in sizes)
     tuned = {t: {"winner": table[t], "ms": dict(timings.get(t, {})) if cached is None else {},
                  "source": _source(t, measured, cached is not None, options.adaptive)}
              for t in sizes}
-    left = f" ({', '.join(skipped)} not prepared: memory)" if skipped else ""
     fitted = f"; {fitted}" if fitted else ""
-    return routes, tuned, (f"{how}; candidates {', '.join(n for n in names if n not in skipped)}"
-                           f"{left}{fitted}")
+    return routes, tuned, (f"{how}; candidates {', '.join(n for n in names if n not in left)}"
+                           f"{_not_tuned(left)}{fitted}")
+
+
+def _not_tuned(left: dict[str, str]) -> str:
+    return ("; not tuned: " + "; ".join(f"{n}: {why}" for n, why in left.items())) if left else ""
 
 
 def available_bytes() -> int | None:
@@ -170,7 +183,7 @@ def _source(tokens: int, measured: set[int], from_cache: bool, adaptive: bool) -
 
 
 def _working_runners(prepared: dict[str, Route], chosen: str, config: MoEConfig,
-                     runner: Callable[[Route], Runner]) -> dict[str, Runner]:
+                     runner: Callable[[Route], Runner], left: dict[str, str]) -> dict[str, Runner]:
     """A runner per prepared candidate whose kernel runs at all (one call at T=1): a
     candidate that fails is not timed and never wins a bucket."""
     x, tw, ids = random_inputs(config, 1, pool=1, seed=0)[0]
@@ -183,5 +196,6 @@ def _working_runners(prepared: dict[str, Route], chosen: str, config: MoEConfig,
         except Exception as exc:
             log.warning("moe-dispatch: %r failed a tuning call (%s: %s); not a candidate",
                         name, type(exc).__name__, exc)
+            left[name] = f"failed a tuning call ({type(exc).__name__}: {exc})"
             del prepared[name]
     return {n: runner(prepared[n]) for n in sorted(prepared)}

@@ -284,7 +284,7 @@ def test_candidates_are_not_prepared_without_the_memory_for_them(default_policy,
         layer.load_weights(**random_weights(CFG)).prepare()
     assert large.prepared == 0 and set(layer.tuned_table.values()) == {"small"}
     assert "'large' not prepared for tuning" in caplog.text
-    assert "(large not prepared: memory)" in layer.explain()
+    assert "not tuned: large: not prepared: memory" in layer.explain()
 
 
 def test_a_backend_with_max_tokens_serves_only_buckets_up_to_it(default_policy):
@@ -414,3 +414,28 @@ def test_a_resolver_choice_that_wins_no_bucket_is_not_kept(default_policy):
         gc.collect()
         assert states and all(ref() is None for ref in states)
         _check(layer, w, 3)
+
+
+def test_explain_names_every_backend_the_tuning_left_out_and_why(default_policy):
+    """A backend whose supports_layer says no, one whose process_weights raises and one whose
+    tuning call fails: each named with its reason, none listed as a candidate."""
+    class Picky(Paced):
+        def supports_layer(self, weights, capabilities):
+            return md.reject("REASON-B")
+
+    class Broken(Paced):
+        def process_weights(self, weights, capabilities):
+            raise RuntimeError("REASON-C")
+
+    class Failing(Paced):
+        def apply(self, state, x, tw, ids):
+            raise RuntimeError("REASON-D")
+
+    backends = dict(a=(50, Paced(2, 2)), b=(40, Picky(1, 1)), c=(30, Broken(1, 1)),
+                    d=(20, Failing(1, 1)))
+    with md.use_registry(_registry(**backends)):
+        layer = md.MoELayer(CFG, tune_max_tokens=4, max_candidates=4, tuning_cache=False)
+        layer.load_weights(**random_weights(CFG)).prepare()
+    text = layer.explain()
+    assert ("candidates a; not tuned: b: rejects the layer: REASON-B; c: could not be prepared "
+            "(RuntimeError: REASON-C); d: failed a tuning call (RuntimeError: REASON-D)") in text, text
