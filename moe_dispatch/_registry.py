@@ -13,6 +13,7 @@ import importlib.metadata as importlib_metadata
 import itertools
 import logging
 import threading
+import types
 from typing import Any, Iterable, Iterator
 
 import pluggy
@@ -25,6 +26,10 @@ from ._spec import (ENTRY_POINT_GROUP, PROJECT, BackendHookSpec, BackendRecord, 
 log = logging.getLogger("moe_dispatch")
 
 BUILTIN_DISTRIBUTION = "moe-dispatch"
+HOOK = "moe_dispatch_backends"
+HOOK_USAGE = ("a plugin must provide a function or method moe_dispatch_backends(), taking no "
+              "arguments, decorated with @moe_dispatch.hookimpl and returning a list of "
+              "BackendSpec")
 
 # Generations are unique across registries, so resolution-cache keys never collide.
 _GENERATIONS = itertools.count(1)
@@ -43,6 +48,7 @@ class Registry:
         self._load_failures: list[PluginFailure] = []
         self._want_entry_points = load_entry_points
         self._entry_points_loaded = False
+        self._loading = False  # entry points being imported: snapshots are partial, not cached
         self._generation = next(_GENERATIONS)
         self._snapshot: RegistrySnapshot | None = None
         self._warned: set[tuple[str, str]] = set()
@@ -52,12 +58,14 @@ class Registry:
         """Import every allowed entry point of the group. Disabled ones are never imported."""
         disabled = env_names("MOE_DISPATCH_DISABLE")
         allowed = env_names("MOE_DISPATCH_PLUGINS")
+        # Built-ins first, so a third-party entry point that takes a built-in's name is the
+        # one refused, whatever the names sort to; the rest by name for a fixed outcome.
         eps = sorted(importlib_metadata.entry_points(group=ENTRY_POINT_GROUP),
-                     key=lambda ep: (ep.name, ep.value))
+                     key=lambda ep: (not _is_builtin(ep), ep.name, ep.value))
         for ep in eps:
             dist = getattr(ep, "dist", None)
             dist_name = getattr(dist, "name", None) or "unknown distribution"
-            builtin = normalize_name(dist_name) == normalize_name(BUILTIN_DISTRIBUTION)
+            builtin = _is_builtin(ep)
             version = getattr(dist, "version", "") or ""
             source = (f"built-in ({dist_name} {version}, entry point {ep.name} = {ep.value})"
                       if builtin else
@@ -71,8 +79,9 @@ class Registry:
                 log.debug("plugin %s skipped: not in MOE_DISPATCH_PLUGINS", ep.name)
                 continue
             if self._pm.has_plugin(name):
-                self._fail(name, source, f"another plugin is already registered as {name!r} "
-                           f"({self._sources.get(name, '?')}); this one was not loaded")
+                self._fail(name, source, f"the entry point name {name!r} is already taken by "
+                           f"{self._sources.get(name, 'another plugin')}; this one "
+                           "was not loaded: give it another name")
                 continue
             try:
                 plugin = ep.load()
@@ -81,24 +90,61 @@ class Registry:
                     raise
                 self._fail(name, source, f"import failed: {type(exc).__name__}: {exc}")
                 continue
-            try:
-                self._pm.register(plugin, name=name)
-            except Exception as exc:  # pluggy validates hookimpl signatures here
-                self._fail(name, source, f"registration failed: {type(exc).__name__}: {exc}")
+            problem = self._pm_register(plugin, name)
+            if problem:
+                self._fail(name, source, problem)
                 continue
             self._sources[name] = source
             self._dists[name] = dist_name
+            self._invalidate()  # a plugin reading the registry while later ones import
 
     def _fail(self, plugin: str, source: str, error: str) -> None:
         failure = PluginFailure(plugin, source, error)
         if failure not in self._load_failures:
             self._load_failures.append(failure)
+            self._invalidate()
         self._warn_once(failure)
 
     def _ensure_loaded(self) -> None:
-        if self._want_entry_points and not self._entry_points_loaded:
-            self._entry_points_loaded = True
+        # A plugin module may read the registry while it is imported (same thread, the lock
+        # is re-entrant): that call sees the plugins loaded so far and must not load again.
+        if not self._want_entry_points or self._entry_points_loaded or self._loading:
+            return
+        self._loading = True
+        try:
             self._load_entry_points()
+        finally:
+            self._loading = False
+            self._entry_points_loaded = True
+            self._invalidate()  # drop any view built before the last plugin was registered
+
+    def _pm_register(self, plugin: Any, name: str) -> str | None:
+        """Register with pluggy; None, or why the plugin was refused (nothing registered)."""
+        try:
+            registered = self._pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as exc:  # a hook with a wrong signature
+            return f"its hook is invalid: {' '.join(str(exc).splitlines())}; {HOOK_USAGE}"
+        except Exception as exc:  # noqa: BLE001 - e.g. ValueError: registered twice
+            return f"registration failed: {type(exc).__name__}: {exc}"
+        if registered is None:  # pluggy returns None for a blocked name
+            return f"the plugin name {name!r} is blocked"
+        if not any(impl.plugin is plugin for impl in self._hookimpls()):
+            # Unknown or unmarked hooks register silently in pluggy and would provide nothing.
+            self._pm.unregister(plugin)
+            return self._missing_hook(plugin)
+        return None
+
+    def _hookimpls(self) -> list[Any]:
+        return self._pm.hook.moe_dispatch_backends.get_hookimpls()
+
+    def _missing_hook(self, plugin: Any) -> str:
+        if callable(getattr(plugin, HOOK, None)):
+            detail = f"its {HOOK} is not decorated with @moe_dispatch.hookimpl"
+        else:
+            marked = [n for n in dir(plugin) if self._pm.parse_hookimpl_opts(plugin, n)]
+            detail = (f"it marks {', '.join(marked)} with @moe_dispatch.hookimpl, but the hook "
+                      f"is named {HOOK}" if marked else f"it has no {HOOK}")
+        return f"it implements no moe_dispatch hook: {detail}; {HOOK_USAGE}"
 
     # -- registration ------------------------------------------------------------------
     def register(self, plugin: Any, name: str | None = None) -> str:
@@ -121,30 +167,33 @@ class Registry:
                                       "by two discovered plugins (see plugin_failures())")
                 plugin = _SpecPlugin(plugin)
                 name = name or plugin.spec.name
-            pname = normalize_name(name) if name else None
-            if pname is not None and self._pm.has_plugin(pname):
+            if self._pm.is_registered(plugin):
+                raise PluginError(f"plugin {_label(plugin)} is already registered as "
+                                  f"{self._pm.get_name(plugin)!r}; register it once")
+            pname = normalize_name(name) if name else self._default_name(plugin)
+            if self._pm.has_plugin(pname):
                 raise PluginError(f"a plugin named {pname!r} is already registered "
-                                  f"({self._sources.get(pname, 'unknown source')})")
-            try:
-                registered = self._pm.register(plugin, name=pname)
-            except ValueError as exc:
-                raise PluginError(f"cannot register plugin {pname or plugin!r}: {exc}") from exc
-            if registered is None:  # pluggy returns None for a blocked name
-                raise PluginError(f"plugin name {pname!r} is blocked")
-            self._sources[registered] = source
+                                  f"({self._sources.get(pname, 'unknown source')}); pass "
+                                  "another name=")
+            problem = self._pm_register(plugin, pname)
+            if problem:
+                what = _label(plugin)
+                what = repr(pname) if what == pname else f"{what} (as {pname!r})"
+                raise PluginError(f"cannot register plugin {what}: {problem}")
+            self._sources[pname] = source
             self._invalidate()
-            new = self._collect_one(registered, plugin)
+            new = self._collect_one(pname, plugin)
             if isinstance(new, PluginFailure):
-                problem = f"plugin {registered!r} is invalid: {new.error}"
+                problem = f"plugin {pname!r} is invalid: {new.error}"
             else:
                 clash = contested(list(before.records) + new)
                 problem = duplicate_message(*next(iter(clash.items()))) if clash else None
             if problem:
-                self._pm.unregister(name=registered)
-                self._sources.pop(registered, None)
+                self._pm.unregister(name=pname)
+                self._sources.pop(pname, None)
                 self._invalidate()
                 raise PluginError(problem)
-            return registered
+            return pname
 
     def unregister(self, name: str) -> None:
         """Remove the plugin with this name, or the plugin providing this backend name."""
@@ -159,12 +208,15 @@ class Registry:
             self._invalidate()
 
     def reload(self) -> None:
-        """Forget discovered plugins and failures, then discover again (env is re-read)."""
+        """Forget discovered plugins and failures, then discover again (env is re-read).
+
+        Plugins added with :meth:`register` are kept: they were never discovered.
+        """
         with self._lock:
-            for pname in list(self._sources):
+            for pname in self._dists:  # exactly the entry-point plugins
                 if self._pm.has_plugin(pname):
                     self._pm.unregister(name=pname)
-            self._sources.clear()
+                self._sources.pop(pname, None)
             self._dists.clear()
             self._load_failures.clear()
             self._entry_points_loaded = False
@@ -173,6 +225,15 @@ class Registry:
     def _invalidate(self) -> None:
         self._generation = next(_GENERATIONS)
         self._snapshot = None
+
+    def _default_name(self, plugin: Any) -> str:
+        """The plugin's module or class name, numbered when that is taken (another instance)."""
+        base = normalize_name(_label(plugin))
+        name, n = base, 1
+        while self._pm.has_plugin(name) or self._pm.is_blocked(name):
+            n += 1
+            name = f"{base}#{n}"
+        return name
 
     # -- collection --------------------------------------------------------------------
     def _collect_one(self, pname: str, plugin: Any) -> list[BackendRecord] | PluginFailure:
@@ -228,8 +289,10 @@ class Registry:
                 self._warn_once(failure)
             records = sorted((r for r in collected if r.name not in clash),
                              key=BackendRecord.sort_key)
-            self._snapshot = RegistrySnapshot(self._generation, tuple(records), tuple(failures))
-            return self._snapshot
+            snap = RegistrySnapshot(self._generation, tuple(records), tuple(failures))
+            if not self._loading:  # a view taken mid-discovery is partial: never keep it
+                self._snapshot = snap
+            return snap
 
     def _warn_once(self, failure: PluginFailure) -> None:
         key = (failure.plugin, failure.error)
@@ -237,6 +300,22 @@ class Registry:
             self._warned.add(key)
             log.warning("moe-dispatch plugin %s (%s) excluded: %s", failure.plugin,
                         failure.source, failure.error)
+
+
+def _is_builtin(ep: importlib_metadata.EntryPoint) -> bool:
+    """An entry point of this project's own distribution."""
+    dist_name = getattr(getattr(ep, "dist", None), "name", None) or ""
+    return normalize_name(dist_name) == normalize_name(BUILTIN_DISTRIBUTION)
+
+
+def _label(plugin: Any) -> str:
+    """A plugin as a person knows it: its module's name, or its class's dotted name."""
+    if isinstance(plugin, types.ModuleType):
+        return plugin.__name__
+    if isinstance(plugin, _SpecPlugin):
+        return f"BackendSpec {plugin.spec.name!r}"
+    cls = plugin if isinstance(plugin, type) else type(plugin)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 class _SpecPlugin:
