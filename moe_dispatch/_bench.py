@@ -37,7 +37,9 @@ def bench_grid(config: MoEConfig, tokens: list[int], reps: int = 10,
                backends: Iterable[str] | None = None, progress: TextIO | None = sys.stderr,
                exclude: Iterable[str] = ()) -> list[dict]:
     """Time each backend at each token count. Rows: tokens, backend, median_ms, ratio (to the
-    fastest at that T), chosen (what a layer with the same ``backend``/``exclude`` runs)."""
+    fastest at that T), chosen (the config-stage choice with the same ``backend``/``exclude``:
+    what policy="priority" runs at every T; the default policy="auto" routes each T to the
+    backend it measures fastest, which may be another)."""
     backends = None if backends is None else [normalize_name(n) for n in backends]
     forced = backends[0] if backends is not None and len(backends) == 1 else None
     chosen = resolve(config, backend=forced, exclude=exclude).backend

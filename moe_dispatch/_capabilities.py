@@ -100,11 +100,12 @@ class Capabilities:
         """A simulated machine: ``sapphire_rapids``, ``ice_lake``, ``zen3``, ``zen4``, ``zen5``,
         ``neoverse_v1``. It knows no ops unless given ``ops={name: schema}``; ``torch_version``
         is this process's."""
-        try:
-            base = _PRESETS[name]
-        except KeyError:
-            raise KeyError(f"unknown preset {name!r}; known: {', '.join(sorted(_PRESETS))}") from None
-        return attrs.evolve(base, **changes)
+        from ._errors import InvalidArgumentError  # _errors is light; kept out of import time
+
+        key = name.strip().lower() if isinstance(name, str) else name
+        if key not in _PRESETS:
+            raise InvalidArgumentError("preset", name, f"one of {', '.join(sorted(_PRESETS))}")
+        return attrs.evolve(_PRESETS[key], **changes)
 
 
 def zen_generation(family: int | None, model: int | None) -> int | None:

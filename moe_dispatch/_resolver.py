@@ -43,14 +43,20 @@ def _exclusion_sets(exclude: Iterable[str] | str) -> tuple[frozenset[str], froze
     return by_arg, env_names("MOE_DISPATCH_DISABLE")
 
 
+class _EnvName(str):
+    """A forced name read from env ``MOE_DISPATCH_BACKEND``, so errors can say so."""
+
+
 def forced_name(backend: str | None) -> str | None:
-    """The forced backend: the argument, else env ``MOE_DISPATCH_BACKEND``, normalised."""
+    """The forced backend: the argument, else env ``MOE_DISPATCH_BACKEND`` (blank is
+    unset), normalised."""
     if backend is None:
-        backend = os.environ.get("MOE_DISPATCH_BACKEND") or None
-    if backend is None:
-        return None
-    if not isinstance(backend, str) or not backend.strip():
+        env = os.environ.get("MOE_DISPATCH_BACKEND", "")
+        return _EnvName(normalize_name(env)) if env.strip() else None
+    if not isinstance(backend, str):
         raise InvalidTypeError("backend", backend, "a registered backend name (str) or None")
+    if not backend.strip():
+        raise InvalidArgumentError("backend", backend, "a registered backend name, or None")
     return normalize_name(backend)
 
 
@@ -177,13 +183,16 @@ def _resolve(config: MoEConfig, caps: Capabilities, forced: str | None, by_arg: 
              failures: tuple[PluginFailure, ...]) -> Resolution:
     names = [r.name for r in records]
     if forced is not None:
+        from_env = isinstance(forced, _EnvName)
+        forced = str(forced)
         if forced not in names:
+            where = " (from env MOE_DISPATCH_BACKEND)" if from_env else ""
             raise UnknownBackendError(
-                f"backend {forced!r} is not registered; registered backends are "
+                f"backend {forced!r}{where} is not registered; registered backends are "
                 f"{', '.join(names) or '(none)'}" + _failure_hint(failures))
         if forced in by_arg or forced in by_env:
             raise InvalidArgumentError(
-                "backend", forced, "a backend that is not also excluded (it is listed in "
+                "MOE_DISPATCH_BACKEND" if from_env else "backend", forced, "a backend that is not also excluded (it is listed in "
                 + ("exclude=" if forced in by_arg else "MOE_DISPATCH_DISABLE") + ")")
     decisions: list[tuple[BackendRecord, Decision, bool]] = []
     for rec in records:

@@ -179,7 +179,9 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         out.append(dict(config=_config_dict(config), rows=rows))
         plot_rows.append((config, rows))
         if not args.json:
-            print(f"\n{config.describe()}   (* = what a layer with these options runs)")
+            print(f"\n{config.describe()}   (* = the config-stage choice, run at every T by "
+                  'policy="priority"; the default policy="auto" routes each T to the backend '
+                  "it measures fastest)")
             print(f"{'T':>6}  {'backend':<14} {'median ms':>10} {'x fastest':>10}")
             for r in rows:
                 mark = " *" if r["chosen"] else ""
@@ -206,7 +208,8 @@ def _plot(items: list, path: str) -> None:
             pts = [(r["tokens"], r["median_ms"]) for r in rows if r["backend"] == name]
             chosen = any(r["chosen"] for r in rows if r["backend"] == name)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    label=name + (" (chosen)" if chosen else ""), linewidth=2.5 if chosen else 1.5)
+                    label=name + (" (config-stage choice)" if chosen else ""),
+                    linewidth=2.5 if chosen else 1.5)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("tokens (T)")

@@ -20,9 +20,19 @@ from moe_dispatch.testing import random_weights
 QWEN3_MOE = dict(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768)
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_dispatch.demo", description=__doc__)
-    parser.add_argument("--tokens", type=int, default=16, help="tokens in the batch (default 16)")
+    parser.add_argument("--tokens", type=_positive, default=16, help="tokens in the batch (default 16)")
     parser.add_argument("--small", action="store_true", help="a small layer (E=16, H=256, I=128)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

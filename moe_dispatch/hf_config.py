@@ -74,6 +74,10 @@ def read_json(path: str | Path) -> dict[str, Any]:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise HFConfigError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise HFConfigError(f"{path} is not UTF-8 text (a config.json is): {exc}") from exc
+    except ValueError as exc:  # a path with a NUL byte
+        raise HFConfigError(f"cannot read {path}: {exc}") from exc
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

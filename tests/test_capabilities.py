@@ -28,7 +28,7 @@ def test_presets_describe_other_machines():
     assert not md.Capabilities.preset("zen3").avx512_bf16
     assert md.Capabilities.preset("zen4").avx512_bf16 and md.Capabilities.preset("zen5").zen_generation == 5
     assert md.Capabilities.preset("neoverse_v1").arch == "aarch64"
-    with pytest.raises(KeyError, match="known"):
+    with pytest.raises(md.InvalidArgumentError, match="preset='pentium'"):
         md.Capabilities.preset("pentium")
 
 
@@ -37,3 +37,9 @@ def test_capabilities_hashable_and_evolve():
     assert caps.op_schema("a::b") == "s" and caps.op_schema("x::y") is None
     assert hash(caps) == hash(md.Capabilities.preset("zen4", ops={"a::b": "s"}))
     assert caps.evolve(threads=7).threads == 7
+
+
+def test_an_unknown_preset_is_a_typed_error_and_names_are_normalised():
+    with pytest.raises(md.InvalidArgumentError, match="preset='skylake'.*zen4"):
+        md.Capabilities.preset("skylake")
+    assert md.Capabilities.preset(" Zen4 ") == md.Capabilities.preset("zen4")

@@ -140,6 +140,25 @@ def test_unreadable_or_unsupported_file_exits_1(tmp_path, capsys):
     assert "num_local_experts" in capsys.readouterr().err
 
 
+def test_a_file_that_is_not_utf8_exits_1(tmp_path, capsys):
+    binary = tmp_path / "config.json"
+    binary.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(hf_config.HFConfigError, match="is not UTF-8 text"):
+        hf_config.load(binary)
+    assert main(["explain", "--hf-config", str(binary)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("moe-dispatch: ") and str(binary) in err and "UTF-8" in err
+
+
+@pytest.mark.parametrize("tokens", ["0", "-2", "x"])
+def test_demo_tokens_must_be_positive(tokens, capsys):
+    from moe_dispatch.demo import main as demo
+    with pytest.raises(SystemExit) as err:
+        demo(["--small", "--tokens", tokens])
+    assert err.value.code == 2
+    assert f"argument --tokens: expected a positive int, got '{tokens}'" in capsys.readouterr().err
+
+
 def test_forced_rejected_backend_exits_1(capsys):
     rc = main(["explain", "--experts", "8", "--top-k", "2", "--hidden", "64", "--intermediate", "32",
                "--backend", "amx_grouped"] + (["--dtype", "float32"]))
@@ -160,8 +179,8 @@ def test_bench_json_and_plot(tmp_path, capsys):
 
 
 def test_bench_exclude_and_backend(capsys):
-    """--exclude is applied before timing (names normalised), and the chosen mark is what a
-    layer with the same --backend/--exclude would run."""
+    """--exclude is applied before timing (names normalised), and the chosen mark is the
+    config-stage choice of a layer with the same --backend/--exclude."""
     flags = ["bench", "--experts", "4", "--top-k", "2", "--hidden", "32", "--intermediate", "16",
              "--dtype", "float32", "--tokens", "1", "--reps", "1", "--json"]
     assert main(flags + ["--exclude", "OneDNN"]) == 0
@@ -172,6 +191,15 @@ def test_bench_exclude_and_backend(capsys):
     assert main(flags + ["--backend", "torch"]) == 0
     rows = json.loads(capsys.readouterr().out)[0]["rows"]
     assert [(r["backend"], r["chosen"]) for r in rows] == [("torch", True)]
+
+
+def test_bench_says_what_its_mark_is(capsys):
+    """The * is the config-stage (priority) choice, which a default policy="auto" layer may
+    not run at a given T: the legend says so rather than "what a layer runs"."""
+    assert main(["bench", "--experts", "4", "--top-k", "2", "--hidden", "32", "--intermediate",
+                 "16", "--dtype", "float32", "--tokens", "1", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "* = the config-stage choice" in out and 'policy="auto" routes each T' in out
 
 
 def test_console_script_and_module_entry():
