@@ -21,7 +21,7 @@ from ._fastpath import dynamo_compiling as _dynamo_compiling, is_compiling as _i
 from ._fastpath import tracing_state as _tracing_state
 from ._errors import InvalidArgumentError, KernelError, LayerStateError, MoEDispatchError
 from ._options import LayerOptions
-from ._plan import Demotion, ExecutionPlan, Route, bad_output
+from ._plan import Demotion, ExecutionPlan, Route, bad_output, good_output
 from ._resolution import Resolution
 from ._spec import BackendRecord, storage_id
 from ._validation import check_forward
@@ -173,7 +173,7 @@ class LayerCalls(torch.nn.Module):
                     # that raises the typed error here, and the backend is not blamed.
                     check_forward(self.config, hidden_states, topk_weights, topk_ids)
                     return self._fall_back(route.record, exc, hidden_states, topk_weights, topk_ids)
-                if type(out) is _Tensor and out.shape == shape and out.dtype is plan.dtype:
+                if good_output(out, shape, plan.dtype):
                     return out
                 return self._fall_back(route.record, bad_output(out, shape, plan.dtype),
                                        hidden_states, topk_weights, topk_ids)
@@ -204,7 +204,7 @@ class LayerCalls(torch.nn.Module):
         except Exception as exc:
             return self._fall_back(route.record, exc, hidden_states, topk_weights, topk_ids)
         shape = (tokens, self.config.hidden_size)
-        if isinstance(out, torch.Tensor) and out.shape == shape and out.dtype == hidden_states.dtype:
+        if good_output(out, shape, hidden_states.dtype):
             return out
         return self._fall_back(route.record, bad_output(out, shape, hidden_states.dtype),
                                hidden_states, topk_weights, topk_ids)
@@ -213,12 +213,14 @@ class LayerCalls(torch.nn.Module):
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """Demote ``rec`` for this layer, swap in a plan without it, and run that."""
         error = f"{type(exc).__name__}: {exc}"
-        if any(_transformed(t) for t in (hidden_states, topk_weights, topk_ids)):
+        wrapped = [n for n, t in (("hidden_states", hidden_states), ("topk_weights", topk_weights),
+                                  ("topk_ids", topk_ids)) if _transformed(t)]
+        if wrapped:
             # The kernels read memory: under torch.func's transforms (vmap, grad) or
             # functionalization they fail on the caller's tensors, not on their own faults,
             # and demoting them one after another would leave the layer with none.
             raise InvalidArgumentError(
-                "hidden_states", "a tensor under a torch.func transform (vmap, grad) or "
+                wrapped[0], "a tensor under a torch.func transform (vmap, grad) or "
                 "functionalization", f"plain tensors: backend {rec.name!r} failed on it "
                 f"({error}); call the layer outside the transform") from exc
         if self.options.strict:

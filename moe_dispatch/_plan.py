@@ -122,6 +122,12 @@ class ExecutionPlan:
         return tuple({id(r): r for r in self.table}.values())
 
 
+def good_output(out: object, shape: Any, dtype: torch.dtype) -> bool:
+    """A backend's apply returned the [T, H] output in the input's dtype (the check is a few
+    attribute reads: it runs on every call of the Python path)."""
+    return isinstance(out, torch.Tensor) and out.shape == shape and out.dtype == dtype
+
+
 def bad_output(out: object, shape: tuple[int, ...], dtype: torch.dtype) -> KernelError:
     """A backend's apply returned something other than the [T, H] output in the input's dtype
     (a plugin's bug): a kernel failure, never handed to the caller."""

@@ -15,12 +15,10 @@ import os
 import time
 from typing import Any, Callable
 
-import torch
-
 
 from ._config import MoEConfig
 from ._options import TuningOptions
-from ._plan import Route, bad_output
+from ._plan import Route, bad_output, good_output
 from ._random import random_inputs
 from ._resolution import Resolution, Status
 from ._resolver import call_check
@@ -28,7 +26,7 @@ from ._spec import BackendRecord, LayerWeights
 from ._buckets import bucket_sizes, within_limits
 from ._measure import Runner, measure, measure_adaptive
 from ._memory import weight_budget, within_memory
-from ._tuning_cache import TuningCache, tuning_key
+from ._tuning_cache import CachedTable, TuningCache, tuning_key
 
 log = logging.getLogger("moe_dispatch")
 
@@ -87,6 +85,9 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
     cached = cache.get(key, names, sizes) if cache is not None else None
     if cached is not None and not options.adaptive and list(cached.measured) != sizes:
         cached = None  # "fastest" wants every bucket measured, not a probed table
+    if cached is not None and cached.partial_budget_s is not None and \
+            options.budget_s > cached.partial_budget_s:
+        cached = None  # cut short by a smaller budget than this layer's: measure again
     prepared: dict[str, Route] = {chosen.name: chosen}
     fitted = ""
 
@@ -132,17 +133,20 @@ def tune(config: MoEConfig, final: Resolution, chosen: Route, weights: LayerWeig
         table, fitted = within_memory(table, timings, sizes, {
             n: records[n].spec.copies(config.weight_format) for n in prepared}, budget, serves)
         measured = set(timings)
-        # Only a table measured as this machine would measure it at any time is kept: one
-        # cut short by the budget, or without a candidate that could not be prepared or run
-        # now (memory, a transient failure), would stand for good in every later process.
+        # A table without a candidate that could not be prepared or run now (memory, a
+        # transient failure) serves this process's other layers of the shape but is kept
+        # out of the file: it would stand for good in every later process. One cut short by
+        # the budget is written with that budget: a layer with a larger one measures again.
         lost = sorted(set(names) - set(prepared))
-        why_not = ("the budget ran out" if not complete else
-                   f"{', '.join(lost)} not measured" if lost else "")
-        if cache is not None and not why_not:
-            cache.put(key, table, timings, config)
+        kept = ""
+        if cache is not None and lost:
+            cache.remember(key, CachedTable(table, tuple(sorted(timings)), timings))
+            kept = f" (kept for this process only: {', '.join(lost)} not measured)"
+        elif cache is not None:
+            cache.put(key, table, timings, config, None if complete else options.budget_s)
+            kept = "" if complete else f" (cached as cut short by the {options.budget_s:g} s budget)"
         how = (f"measured at prepare() in {time.perf_counter() - started:.1f} s, "
-               f"{len(measured)} of {len(sizes)} buckets"
-               + (f" (not cached: {why_not})" if cache is not None and why_not else ""))
+               f"{len(measured)} of {len(sizes)} buckets{kept}")
     if any(not records[table[t]].spec.serves(t, config.weight_format) for t in sizes):
         # No prepared candidate serves some bucket (the others failed or were left out):
         # the plan routes past the chosen backend's limit as policy="priority" does.
@@ -191,7 +195,7 @@ def _working_runners(prepared: dict[str, Route], chosen: str, config: MoEConfig,
         r = prepared[name]
         try:
             out = r.apply(r.state, x, tw, ids)
-            if not (isinstance(out, torch.Tensor) and out.shape == x.shape and out.dtype == x.dtype):
+            if not good_output(out, x.shape, x.dtype):
                 raise bad_output(out, tuple(x.shape), x.dtype)  # doing nothing is fast: never a winner
         except Exception as exc:
             log.warning("moe-dispatch: %r failed a tuning call (%s: %s); not a candidate",

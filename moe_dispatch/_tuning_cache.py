@@ -49,6 +49,9 @@ class CachedTable:
     winners: dict[int, str]
     measured: tuple[int, ...]
     timings: dict[int, dict[str, float]]
+    # The budget that ran out while it was measured (None: the tuning finished): a layer
+    # with a larger budget measures again instead of taking a table cut shorter than its own.
+    partial_budget_s: float | None = None
 
 
 def tuning_key(config: MoEConfig, caps: Capabilities, versions: dict[str, str],
@@ -102,7 +105,20 @@ class TuningCache:
             return {}
         return data["entries"]
 
+    # Tables this process measured but kept out of the file (a candidate missing for a
+    # reason of the moment), by (file, key): they still serve the other layers of the same
+    # shape, so that a model tunes once per process, not once per layer.
+    _session: dict[tuple[str, str], CachedTable] = {}
+
+    def remember(self, key: str, table: CachedTable) -> None:
+        with self._lock:
+            self._session[(str(self.path), key)] = table
+
     def get(self, key: str, candidates: list[str], sizes: list[int]) -> CachedTable | None:
+        known = self._session.get((str(self.path), key))
+        if known is not None and sorted(known.winners) == sizes and \
+                set(known.winners.values()) <= set(candidates):
+            return known
         entry = self._read().get(key)
         if entry is None:
             return None
@@ -113,13 +129,18 @@ class TuningCache:
         return table
 
     def put(self, key: str, table: dict[int, str], timings: dict[int, dict[str, float]],
-            config: MoEConfig) -> None:
-        """Store ``table``; the buckets with ``timings`` are the measured ones."""
-        entry = {"config": config.describe(),
-                 "buckets": {str(t): name for t, name in table.items()},
-                 "measured": sorted(timings),
-                 "timings_ms": {str(t): v for t, v in timings.items()},
-                 "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            config: MoEConfig, partial_budget_s: float | None = None) -> None:
+        """Store ``table``; the buckets with ``timings`` are the measured ones;
+        ``partial_budget_s``: the budget that ran out while measuring it, if one did."""
+        entry: dict[str, Any] = {"config": config.describe(),
+                                 "buckets": {str(t): name for t, name in table.items()},
+                                 "measured": sorted(timings),
+                                 "timings_ms": {str(t): v for t, v in timings.items()},
+                                 "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if partial_budget_s is not None:
+            entry["partial_budget_s"] = partial_budget_s
+        with self._lock:  # the file is the source of truth from now on
+            self._session.pop((str(self.path), key), None)
         tmp = None
         try:
             with self._lock, self._locked():
@@ -174,7 +195,11 @@ def _validate_entry(entry: Any, candidates: list[str], sizes: list[int]) -> Cach
             if _bucket_key(k) and isinstance(row, dict) and all(
                     isinstance(n, str) and isinstance(ms, (int, float)) for n, ms in row.items()):
                 timings[int(k)] = {n: float(ms) for n, ms in row.items()}
-    return CachedTable(table, tuple(sorted(measured)), timings)
+    partial = entry.get("partial_budget_s")
+    if partial is not None and (isinstance(partial, bool) or not isinstance(partial, (int, float))):
+        return None
+    return CachedTable(table, tuple(sorted(measured)), timings,
+                       None if partial is None else float(partial))
 
 
 def _bucket_key(k: Any) -> bool:

@@ -343,26 +343,40 @@ def test_a_budget_of_zero_measures_t1_only(default_policy):
             assert set(a.calls) == {1}, policy
 
 
-def test_a_table_cut_short_or_without_a_candidate_is_not_cached(default_policy, monkeypatch,
-                                                                 tmp_path):
-    """It would stand for good: later processes would read it, with the budget or the
-    memory they have, as this machine's measured answer."""
+def test_a_table_cut_short_or_without_a_candidate_does_not_stand_for_good(default_policy,
+                                                                          monkeypatch, tmp_path):
+    """A table cut short by the budget is cached with that budget: a layer with the same
+    budget reads it (a model's layers tune once), one with a larger budget measures again.
+    A table without a candidate that could not be prepared now (memory) serves this
+    process's layers of the shape, and is kept out of the file."""
+    from moe_dispatch._tuning_cache import TuningCache
     cache = tmp_path / "tuning.json"
     small, large = Paced(2, 12), Paced(4, 3)
     w = random_weights(CFG)
-    with md.use_registry(_registry(small=(50, small), large=(40, large))):
-        cut = md.MoELayer(CFG, tune_max_tokens=CAP, tune_budget_s=0, tuning_cache=cache)
-        cut.load_weights(**w).prepare()
-        assert "(not cached: the budget ran out)" in cut.explain() and not cache.exists()
-        with monkeypatch.context() as m:
-            m.setattr(_tuning, "available_bytes", lambda: 1024)
-            short = md.MoELayer(CFG, tune_max_tokens=CAP, tuning_cache=cache)
-            short.load_weights(**w).prepare()
-        assert "(not cached: large not measured)" in short.explain() and not cache.exists()
-        full = md.MoELayer(CFG, tune_max_tokens=CAP, tuning_cache=cache).load_weights(**w).prepare()
-        assert set(full.tuned_table.values()) == {"small", "large"}
-        assert "not cached" not in full.explain() and cache.exists()
 
+    def layer(**kw):
+        return md.MoELayer(CFG, tune_max_tokens=CAP, tuning_cache=cache, **kw).load_weights(
+            **w).prepare()
+    with md.use_registry(_registry(small=(50, small), large=(40, large))):
+        cut = layer(tune_budget_s=0)
+        assert "(cached as cut short by the 0 s budget)" in cut.explain()
+        small.calls.clear()
+        assert "from the tuning cache" in layer(tune_budget_s=0).explain() and not small.calls
+        full = layer()  # the default budget: measured again, in full, and cached so
+        assert "measured at prepare()" in full.explain() and small.calls
+        assert set(full.tuned_table.values()) == {"small", "large"}
+        small.calls.clear()
+        assert "from the tuning cache" in layer().explain() and not small.calls
+        with monkeypatch.context() as m:
+            other = tmp_path / "other.json"
+            m.setattr(_tuning, "available_bytes", lambda: 1024)
+            short = md.MoELayer(CFG, tune_max_tokens=CAP, tuning_cache=other)
+            short.load_weights(**w).prepare()
+            assert "(kept for this process only: large not measured)" in short.explain()
+            again = md.MoELayer(CFG, tune_max_tokens=CAP, tuning_cache=other)
+            assert "from the tuning cache" in again.load_weights(**w).prepare().explain()
+        assert not other.exists()  # a later process measures it anew
+        TuningCache._session.clear()
 
 def test_a_lone_candidate_with_max_tokens_is_routed_past_it(default_policy, monkeypatch):
     """max_candidates=1, or every other candidate left out of the tuning: the buckets above

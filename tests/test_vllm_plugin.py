@@ -412,3 +412,12 @@ def test_after_a_weight_update_a_layer_not_served_goes_to_vllms_path(
     assert experts.calls == ["prepack", "apply"]  # prepared as vLLM would have, then its apply
     assert rel_error(got, reference(CONFIG, layer.weights, x, tw, ids)) < TOLERANCE[torch.float32]
     assert _seam._ATTR not in experts.__dict__
+
+
+def test_a_blank_forced_backend_keeps_the_default_exclusions(monkeypatch):
+    """A blank MOE_DISPATCH_BACKEND is unset (as the resolver reads it), not a forced backend
+    that would lift the exclusions."""
+    import moe_dispatch.vllm_plugin as plugin
+    monkeypatch.setenv(plugin.EXCLUDE_ENV, "zentorch")
+    monkeypatch.setenv("MOE_DISPATCH_BACKEND", "  ")
+    assert plugin.layer_options()["exclude"] == ("zentorch",)

@@ -47,7 +47,7 @@ def layer_options() -> dict[str, Any]:
     """The MoELayer keyword arguments of the plugin's layers: LAYER_OPTIONS, plus the
     backends left out (EXCLUDE_ENV, by default :func:`default_exclude`) when none is forced."""
     options = dict(LAYER_OPTIONS)
-    if options.get("backend") or os.environ.get("MOE_DISPATCH_BACKEND"):
+    if options.get("backend") or os.environ.get("MOE_DISPATCH_BACKEND", "").strip():  # blank: unset
         return options
     listed = os.environ.get(EXCLUDE_ENV)
     names = (default_exclude() if listed is None
