@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "duel":
         print(RESULT + json.dumps(duel(args.model, args.dtype, json.loads(args.prompts), decode,
                                        tuple(int(x) for x in args.batches.split(",")),
-                                       args.prefill, args.rounds, args.reload)), flush=True)
+                                       args.prefill, args.rounds)), flush=True)
         return 0
     batches = tuple(int(x) for x in args.batches.split(",")) if args.batches else ()
     result = run_engine(args.model, args.dtype, json.loads(args.prompts), args.max_tokens,
