@@ -32,8 +32,8 @@ def build_plan(config: MoEConfig, options: LayerOptions, config_stage: Resolutio
     """Resolve the layer on ``weights`` (without the demoted backends), prepare the chosen
     backend, tune if asked, and freeze everything the forward needs; outside the caller's
     autocast: under it a backend's warm-up check compared its kernel with a reference
-    computed in bf16 and failed (zentorch, a transformers model first run under autocast,
-    dropped for good), and the tuning would time other kernels than the forward runs."""
+    computed in bf16 and failed (a transformers model first run under autocast lost that
+    backend for good), and the tuning would time other kernels than the forward runs."""
     with torch.autocast("cpu", enabled=False):
         return _build_plan(config, options, config_stage, weights, demotions)
 

@@ -60,7 +60,7 @@ def tuning_key(config: MoEConfig, caps: Capabilities, versions: dict[str, str],
     """The entry's key. The thread count is torch's now (what the table is measured with),
     not ``caps.threads``, which ``Capabilities.detect()`` read once per process; ``env``: the
     candidates' environment variables (``BackendSpec.env_vars``) and their values, which
-    may pick another build of a kernel (the native one's ISA) under the same version."""
+    may pick another build of a kernel (its ISA, say) under the same version."""
     from . import __version__  # built-in backends' versions are torch's: this names their code
     parts = [config.describe(), dtype_name(config.dtype), caps.fingerprint(), caps.cpu_model,
              str(torch.get_num_threads()), json.dumps(sorted(versions.items())),
