@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from helpers import TOLERANCE, copying_backends, random_routing, random_weights, reference, rel_error
+from helpers import (TOLERANCE, copying_backends, random_routing, random_weights, reference,
+                     rel_error, torch_and)
 
 CFG = md.MoEConfig(8, 2, 32, 16, dtype=torch.float32)
 
@@ -298,10 +299,7 @@ def test_prepare_runs_outside_the_callers_autocast():
             from moe_dispatch.kernels import expert_loop
             return expert_loop(state, x, tw, ids)
 
-    reg = md.Registry(load_entry_points=False)
-    from moe_dispatch_backends import torch_loop
-    reg.register(torch_loop, name="torch")
-    reg.register(md.BackendSpec("recording", 50, Recording()))
+    reg = torch_and(md.BackendSpec("recording", 50, Recording()))
     w = random_weights(CFG)
     with md.use_registry(reg), torch.autocast("cpu", dtype=torch.bfloat16):
         layer = md.MoELayer(CFG, policy="auto", tuning_cache=False, tune_max_tokens=2)
@@ -329,10 +327,7 @@ def test_an_apply_that_returns_no_output_is_a_kernel_failure(kind):
                     "shape": torch.zeros(x.shape[0], 3, dtype=x.dtype),
                     "dtype": torch.zeros(x.shape, dtype=torch.float64)}[kind]
 
-    from moe_dispatch_backends import torch_loop
-    reg = md.Registry(load_entry_points=False)
-    reg.register(torch_loop, name="torch")
-    reg.register(md.BackendSpec("bad", 50, Bad()))
+    reg = torch_and(md.BackendSpec("bad", 50, Bad()))
     w = random_weights(CFG)
     x, tw, ids = random_routing(CFG, 3)
     with md.use_registry(reg):

@@ -21,6 +21,7 @@ import logging
 import os
 from typing import Any
 
+from .._resolver import forced_name
 from ..kernels._native import switched_off
 
 ENV = "MOE_DISPATCH_VLLM"
@@ -47,7 +48,7 @@ def layer_options() -> dict[str, Any]:
     """The MoELayer keyword arguments of the plugin's layers: LAYER_OPTIONS, plus the
     backends left out (EXCLUDE_ENV, by default :func:`default_exclude`) when none is forced."""
     options = dict(LAYER_OPTIONS)
-    if options.get("backend") or os.environ.get("MOE_DISPATCH_BACKEND", "").strip():  # blank: unset
+    if options.get("backend") or forced_name(None):  # the resolver's reading of the variable
         return options
     listed = os.environ.get(EXCLUDE_ENV)
     names = (default_exclude() if listed is None
