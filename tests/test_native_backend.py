@@ -3,7 +3,7 @@ machines everywhere; every build this CPU can run, for real, against the float64
 
 bf16 weights are checked within the bf16 tolerance; int8 / int4 weights within
 ``ERROR_BOUND`` of the reference computed on the dequantized weights (the kernel quantizes
-its activations per 32 values as well, x per 128 above 16 tokens in the avx512 build;
+its activations per 32 values as well, x per 128 above 16 tokens in the blocked layout;
 tests/test_native_blocks.py holds layers of a model's size to ``AIM_BOUND``). ``MOE_DISPATCH_NATIVE_ISA`` selects a build, so
 the AVX2 build runs on AVX-512 machines too."""
 

@@ -1,9 +1,9 @@
-"""The avx512 build's int8 / int4 path (backends/native/blocks_quant.h, forward_blocks.h):
-pairs of 16-row blocks, x quantized per 32 values up to 16 tokens and per 128 above (the
-activated intermediate per 32 at every T), against the float64 reference on the dequantized
-weights, on every build this CPU runs (the avx2 build keeps its rows: the same calls take its
-loop there, and must hold the same bounds); and the blocked layout itself, unpacked back to
-the canonical values."""
+"""The blocked int8 / int4 path (backends/native/blocks_quant.h, forward_blocks.h): pairs of
+16-row blocks, x quantized per 32 values up to 16 tokens and per 128 above (the activated
+intermediate per 32 at every T), against the float64 reference on the dequantized weights,
+on every build this CPU runs (the avx512 build runs int8 and int4 in blocks, the avx2 build
+int4 in blocks and int8 in its rows: the same calls take the rows there, and must hold the
+same bounds); and the blocked layout itself, unpacked back to the canonical values."""
 
 from __future__ import annotations
 
@@ -50,13 +50,14 @@ def test_every_activation_within_the_bound_both_sides_of_sixteen_tokens(build, s
 
 
 @pytest.mark.parametrize("scheme", [INT8, INT8_G32, INT4_G128, INT4_G64_ZP], ids=_ids)
-def test_layers_of_model_size_hold_the_aim_and_the_avx512_build_runs_blocks(build, scheme):
+def test_layers_of_model_size_hold_the_aim_and_the_blocks_run(build, scheme):
     """On layers of a model's size the error is 1.1-1.3e-2 (ERROR_BOUND is for the suite's
     random layers of every drawn shape: tiny single-token layers reach 2.9e-2); AIM_BOUND holds it there, on both sides of 16
-    tokens. And the avx512 build does run its blocks (the rows would hold the bounds too)."""
+    tokens. And the blocks do run: int4 in both builds, int8 in the avx512 build (the rows
+    would hold the bounds too)."""
     cfg = _cfg(scheme, num_experts=8, top_k=2, hidden_size=1024, intermediate_size=512)
     layer, ref_w, _ = _layer(cfg)
-    assert layer.plan.route.state.experts.blocked == (build == "avx512")
+    assert layer.plan.route.state.experts.blocked == (build == "avx512" or scheme.bits == 4)
     for tokens in (1, 8, 64):
         x, tw, ids = random_routing(cfg, tokens, seed=tokens)
         want = moe_reference(cfg, x, ref_w["w13"], ref_w["w2"], tw, ids)
@@ -91,6 +92,32 @@ def test_a_tokens_result_does_not_depend_on_its_tile(build, scheme, tokens):
     perm = torch.randperm(tokens, generator=torch.Generator().manual_seed(1))
     again = layer(x[perm].contiguous(), tw[perm].contiguous(), ids[perm].contiguous())
     assert torch.equal(batch[perm], again)
+
+
+@pytest.mark.parametrize("scheme", [INT4_G32, INT4_G128], ids=_ids)
+def test_the_largest_int4_values_and_inputs_do_not_overflow_the_sums(build, scheme):
+    """The avx2 build adds four steps of maddubs in int16 before widening them (blocks_quant.h):
+    at the largest nibble (15) times the largest input (127 in magnitude) a row's partial sum
+    is +-30480, inside int16's range, where a longer run of steps would wrap. Weights at one
+    level and inputs all equal: token 0 (x = 1, quantized to 127) meets expert 0's gate rows of
+    +1 (nibble 15), token 1 (x = -0.5, quantized to -127) expert 1's up rows of +1; both reach
+    the output linearly (the other row of each unit is -1: silu(256) x -256 and
+    silu(128) x -128 per unit, then w2's sum of them)."""
+    cfg = _cfg(scheme, num_experts=2, top_k=1, hidden_size=256, intermediate_size=128)
+    w13 = torch.ones(2, 256, 256)
+    w13[0, 128:] = -1.0  # expert 0: gate +1, up -1
+    w13[1, :128] = -1.0  # expert 1: gate -1, up +1
+    qe = md.quantize_experts(w13, torch.ones(2, 256, 128), scheme)
+    assert int(qe.w13.stored(0, torch.int16).max()) == 15  # the extreme nibble is there
+    d13, d2 = qe.dequantize()
+    layer = md.MoELayer(cfg, backend="native").load_weights(qe).prepare()
+    for tokens in (2, 18):  # x per 32 values (units of 32: 4 steps), then per 128 (g128: 16)
+        x, tw, ids = random_routing(cfg, tokens, seed=0)
+        x = torch.tensor([[1.0], [-0.5]]).repeat(tokens // 2, 256).to(cfg.dtype).contiguous()
+        tw, ids = torch.ones_like(tw), torch.tensor([[0], [1]], dtype=ids.dtype).repeat(tokens // 2, 1)
+        want = moe_reference(cfg, x, d13, d2, tw, ids)
+        assert want.abs().min() > 1e5  # the sums are as large as the test means them to be
+        assert rel_error(layer(x, tw, ids), want) <= 1e-2, tokens
 
 
 def test_eight_threads_agree_with_the_serial_result(build):

@@ -4,9 +4,10 @@ Decode reads each active expert's weights once per call, so its speed is the ban
 which the weights stream. This kernel fuses w13, the activation, w2 and the weighted
 combine, splits every expert's rows between the cores, and runs bf16 weights (widened in
 registers) and int8 / int4 weights (integer dot products on activations quantized on the
-fly: in the avx2 build per block of 32 along each row, llama.cpp's design; in the avx512 build
-in pairs of 16-row blocks, one ``vpdpbusd`` for 16 rows, inputs per 32 values up to 16
-tokens, x per 128 values above). docs/architecture.md, "The native decode kernel", has the layouts
+fly, in pairs of 16-row blocks: one ``vpdpbusd`` for 16 rows in the avx512 build, a
+``maddubs`` per 8 rows in the avx2 build; inputs per 32 values up to 16 tokens, x per 128
+values above; the avx2 build keeps int8 in rows, per block of 32 along each row, llama.cpp's
+design). docs/architecture.md, "The native decode kernel", has the layouts
 and the schedule.
 
 With bf16 weights it serves decode: ``max_tokens`` keeps it to buckets of up to 16 tokens
@@ -16,7 +17,7 @@ paths (torch's weight-only kernels, the dequantizing loop) were slower at T=128 
 well (C2 int8 T=128 on a Zen 3: 99 ms against 189 for torch_woq), so the default routing
 measures it at every bucket. Forced (``backend="native"``), it runs every T, correctly. Its
 state holds one copy of the weights in its layout (padded: K to 32 values, rows to pairs of
-16-row blocks in the avx512 build): ``weight_copies`` declares 1.05 / 1.1, above what it
+16-row blocks for int4, and for int8 in the avx512 build): ``weight_copies`` declares 1.05 / 1.1, above what it
 measures (C2: 1.02 / 1.05 of the quantized bytes).
 
 The kernel is built on first use for the ISA the machine has (``kernel``); without a
@@ -42,8 +43,8 @@ NAME = "native"
 PRIORITY = 375
 MAX_TOKENS = 16  # bf16 weights; int8 / int4: no limit (module docstring)
 _I32, _F32 = torch.int32, torch.float32
-# int8/int4 weights: activations quantized per 32 values (x per 128 values in the avx512
-# build above 16 tokens: forward_blocks.h). Measured on random layers of H=1024-2048:
+# int8/int4 weights: activations quantized per 32 values (x per 128 values in the blocks
+# above 16 tokens: forward_blocks.h). Measured on random layers of H=1024-2048:
 # 1.1-1.3e-2, which AIM_BOUND holds the kernel to there (tests/test_native_blocks.py). The
 # error of one token's output grows as H and I shrink (fewer products average the inputs'
 # rounding): Hypothesis found 2.9e-2 on E=1 H=192 I=64 int4 g64 zero points at T=1, in both

@@ -4,16 +4,14 @@ Every projection ``[E, N, K]`` keeps its rows; the reduction axis K is padded wi
 a multiple of 32 (the inputs are zero there too, so the padding adds exactly nothing):
 
 - bf16: the values as stored;
-- int8: the values; scales fp32 ``[E, N, 1]`` (per channel) or fp16 ``[E, N, K/32]``;
-- int4: in each block of 32 values, byte j holds value j in its low nibble and value j + 16
-  in its high one (so one 16-byte load unpacks into the 32 values in order); scales fp16
-  ``[E, N, K/g]`` and zero points uint8 ``[E, N, K/g]``, or the constant offset 8 when
-  symmetric.
+- int8 (the avx2 build): the values; scales fp32 ``[E, N, 1]`` (per channel) or fp16
+  ``[E, N, K/32]``.
 
-The avx512 build takes int8 / int4 weights in blocks of 16 rows instead (``pack_blocked``;
-``blocks_quant.h`` reads them), ``[E, blocks, bytes]``: per block and per 4 values of K
-(a step), 64 bytes hold the 16 rows' 4 values (row r's at bytes 4r..4r+3), so that one load
-feeds a ``vpdpbusd`` for 16 rows at once; int4 values (u, 0..15) pair two steps in one 64
+int4 weights (both builds) and the avx512 build's int8 weights go in blocks of 16 rows
+instead (``pack_blocked``; ``blocks_quant.h`` reads them), ``[E, blocks, bytes]``: per
+block and per 4 values of K (a step), 64 bytes hold the 16 rows' 4 values (row r's at bytes 4r..4r+3), so that one load
+feeds a ``vpdpbusd`` for 16 rows at once (the avx2 build reads each 64 bytes as two halves
+of 8 rows, ``maddubs`` then ``madd``); int4 values (u, 0..15) pair two steps in one 64
 bytes, the first in the low nibbles. int8 values are stored + 128 (``vpdpbusd``'s unsigned
 operand). Blocks go in pairs (2p, 2p + 1), interleaved step by step (block 2p's 64 bytes,
 then block 2p + 1's), so that the kernel, which reads a pair at once, reads one stream: two
@@ -39,7 +37,7 @@ import torch
 import moe_dispatch as md
 
 BLOCK = 32
-ROWS = 16  # rows per block of the avx512 build's int8 / int4 layout
+ROWS = 16  # rows per block of the blocked int8 / int4 layout
 FORMATS = {"float": 0, "int8": 1, "int4": 2}
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swigluoai": 3}
 
@@ -74,23 +72,14 @@ def pack_float(w: torch.Tensor) -> Packed:
     return Packed(_pad_k(w, torch.bfloat16))
 
 
-def pack_quantized(t: md.QuantizedTensor) -> Packed:
-    e, n, k = t.shape
-    s = t.scheme
-    if s.bits == 8:
-        q = _pad_k(t.qweight, torch.int8)
-        if s.group_size is None:  # one scale per row: every block of the row is in group 0
-            return Packed(q, t.scales.to(torch.float32, copy=True).contiguous(), None,
-                          padded(k) // BLOCK)
-        return Packed(q, t.scales.clone().contiguous(), None, s.group_size // BLOCK)
-    g = s.group_size
-    assert g is not None and k % BLOCK == 0  # the config checks that g divides K
-    q = md.kernels.large_zeros((e, n, k // 2), torch.uint8)
-    for i in range(e):  # one expert at a time: the unpacked values are 4x its packed bytes
-        u = t.stored(i, torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
-        q[i] = (u[:, :, 0, :] | (u[:, :, 1, :] << 4)).reshape(n, k // 2)
-    zeros = None if t.zeros is None else t.zeros.clone().contiguous()
-    return Packed(q, t.scales.clone().contiguous(), zeros, g // BLOCK)
+def pack_int8_rows(t: md.QuantizedTensor) -> Packed:
+    """int8 weights in rows (the avx2 build's int8 layout)."""
+    _, _, k = t.shape
+    q = _pad_k(t.qweight, torch.int8)
+    if t.scheme.group_size is None:  # one scale per row: every block of the row is in group 0
+        return Packed(q, t.scales.to(torch.float32, copy=True).contiguous(), None,
+                      padded(k) // BLOCK)
+    return Packed(q, t.scales.clone().contiguous(), None, t.scheme.group_size // BLOCK)
 
 
 def _blocks(rows: list[int]) -> torch.Tensor:
@@ -121,7 +110,7 @@ def _rows_of(t: torch.Tensor, order: torch.Tensor, width: int | None = None) -> 
 
 
 def pack_blocked(t: md.QuantizedTensor, order: torch.Tensor) -> Packed:
-    """One projection in the avx512 build's blocked layout (module docstring)."""
+    """One projection in the blocked layout (module docstring)."""
     e, _, k = t.shape
     s, kp, blocks = t.scheme, padded(k), order.numel() // ROWS
     q = md.kernels.large_zeros((e, blocks, kp * ROWS // (2 if s.bits == 4 else 1)), torch.uint8)
@@ -148,7 +137,8 @@ def pack_blocked(t: md.QuantizedTensor, order: torch.Tensor) -> Packed:
 def experts_args(config: md.MoEConfig, weights: md.LayerWeights, isa: str) -> tuple[Any, ...]:
     """The constructor arguments of the kernel's ``Experts`` for this layer and build."""
     q = weights.quantized
-    blocked = q is not None and isa == "avx512"
+    # int4 in blocks in both builds; int8 in blocks in the avx512 build, rows in the avx2 one.
+    blocked = q is not None and (isa == "avx512" or q.w13.scheme.bits == 4)
     if q is None:
         w13, w2 = pack_float(weights.w13), pack_float(weights.w2)
         b13, b2, fmt, offset = weights.w13_bias, weights.w2_bias, "float", 0
@@ -157,7 +147,7 @@ def experts_args(config: md.MoEConfig, weights: md.LayerWeights, isa: str) -> tu
             w13 = pack_blocked(q.w13, w13_rows(config))
             w2 = pack_blocked(q.w2, _blocks(list(range(config.hidden_size))))
         else:
-            w13, w2 = pack_quantized(q.w13), pack_quantized(q.w2)
+            w13, w2 = pack_int8_rows(q.w13), pack_int8_rows(q.w2)
         b13, b2 = q.w13_bias, q.w2_bias
         fmt = f"int{q.w13.scheme.bits}"
         offset = 8 if q.w13.scheme.bits == 4 else 0  # symmetric int4 stores q + 8

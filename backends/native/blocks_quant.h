@@ -1,7 +1,8 @@
-// int8 / int4 weights in the avx512 build: blocks of 16 rows (_pack.py's pack_blocked), so
-// that one 64-byte load holds 4 values of each of 16 rows and one vpdpbusd multiplies them by
-// 4 values of one input broadcast to every lane: each int32 lane is one row's dot product,
-// and a block's 16 sums come out as one vector.
+// int8 / int4 weights in the avx512 build, and int4 weights in the avx2 build: blocks of 16
+// rows (_pack.py's pack_blocked), so that one 64-byte load holds 4 values of each of 16 rows
+// and one vpdpbusd multiplies them by 4 values of one input broadcast to every lane: each
+// int32 lane is one row's dot product, and a block's 16 sums come out as one vector. The avx2
+// build reads the same bytes as two halves of 8 rows (int4_block_dots_avx2, at the end).
 //
 // Why this layout and not a row's values side by side (dots_quant.h, the avx2 build): with
 // rows side by side each lane holds part of one (row, input) dot product, so every sum that
@@ -27,8 +28,6 @@
 
 namespace moe_dispatch_native {
 
-#if MD_AVX512
-
 constexpr int64_t kRows = 16;       // rows per block (one int32 lane each)
 constexpr int64_t kWideGroup = 128; // values per scale of x above 16 tokens (forward_blocks.h)
 constexpr int64_t kNarrowGroup = 32;// of x up to 16 tokens, and of the intermediate at every T
@@ -45,6 +44,7 @@ struct BlockProj {
   bool int4 = false;
   const uint8_t* block(int64_t e, int64_t b) const { return base + (e * blocks + b) * block_bytes; }
   int64_t at(int64_t e, int64_t b, int64_t g) const { return ((e * blocks + b) * groups + g) * kRows; }
+#if MD_AVX512
   __m512 scale(int64_t e, int64_t b, int64_t g) const {
     const int64_t i = at(e, b, g);
     return s16 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16 + i)))
@@ -53,6 +53,17 @@ struct BlockProj {
   __m512i zero(int64_t e, int64_t b, int64_t g) const {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z + at(e, b, g))));
   }
+#else
+  // Rows 8h .. 8h + 7 of the block (h = 0, 1): the avx2 build reads a block as two halves.
+  __m256 scale8(int64_t e, int64_t b, int64_t g, int64_t h) const {
+    const int64_t i = at(e, b, g) + 8 * h;
+    return s16 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + i)))
+               : _mm256_loadu_ps(s32 + i);
+  }
+  __m256i zero8(int64_t e, int64_t b, int64_t g, int64_t h) const {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(z + at(e, b, g) + 8 * h)));
+  }
+#endif
 };
 
 inline BlockProj make_block_proj(int64_t fmt, int64_t experts, int64_t kp, at::Tensor q,
@@ -112,6 +123,7 @@ struct BlockInputs {
   void set(int64_t i, const float* v, int64_t len) {
     int8_t* out = q.data() + i * kp;
     int32_t* su = sum.data() + i * units;
+#if MD_AVX512
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t lo = g * group, hi = std::min(len, lo + group);
       if (hi <= lo) break;
@@ -140,12 +152,68 @@ struct BlockInputs {
         su[u0 / unit] = _mm512_reduce_add_epi32(acc);
       }
     }
+#else
+    // The same values as the avx512 build's: amax / 127, products rounded to nearest even
+    // (cvtps_epi32 in the default rounding mode, nearbyint in the tails).
+    const __m256 sign = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(std::numeric_limits<float>::max());
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t lo = g * group, hi = std::min(len, lo + group);
+      if (hi <= lo) break;
+      __m256 m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+      float amax = 0.f;
+      bool finite = true;
+      int64_t k = lo;
+      for (; k + 8 <= hi; k += 8) {
+        const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(v + k));
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));
+        m = _mm256_max_ps(m, a);
+      }
+      for (; k < hi; ++k) {
+        const float a = std::fabs(v[k]);
+        if (!(a <= std::numeric_limits<float>::max())) finite = false;
+        else amax = std::max(amax, a);
+      }
+      if (_mm256_movemask_ps(bad) || !finite) {  // values stay 0, the scale NaN (as above)
+        s[i * groups + g] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, m);
+      for (const float l : lanes) amax = std::max(amax, l);
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      const __m256 vinv = _mm256_set1_ps(inv);
+      s[i * groups + g] = amax / 127.f;
+      for (int64_t u0 = lo; u0 < hi; u0 += unit) {
+        const int64_t u1 = std::min(hi, u0 + unit);
+        __m256i acc = _mm256_setzero_si256();
+        int32_t tail_sum = 0;
+        k = u0;
+        for (; k + 8 <= u1; k += 8) {
+          const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + k), vinv));
+          const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(out + k), _mm_packs_epi16(w, w));
+          acc = _mm256_add_epi32(acc, r);
+        }
+        for (; k < u1; ++k) {
+          const int32_t r = static_cast<int32_t>(std::nearbyint(v[k] * inv));
+          out[k] = static_cast<int8_t>(r);
+          tail_sum += r;
+        }
+        alignas(32) int32_t parts[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(parts), acc);
+        for (const int32_t p : parts) tail_sum += p;
+        su[u0 / unit] = tail_sum;
+      }
+    }
+#endif
   }
 
+#if MD_AVX512
  private:
   static __mmask16 tail(int64_t k, int64_t hi) {
     return hi - k >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (hi - k)) - 1);
   }
+#endif
 };
 
 // The unit of a projection's sums for inputs quantized per `group` values: no unit straddles
@@ -154,11 +222,14 @@ inline int64_t unit_for(const BlockProj& p, int64_t group) {
   return std::min({group, p.group, p.kp});
 }
 
-inline __m512i bcast4(const int8_t* p) {
+inline int32_t four(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof v);
-  return _mm512_set1_epi32(v);
+  return v;
 }
+
+#if MD_AVX512
+inline __m512i bcast4(const int8_t* p) { return _mm512_set1_epi32(four(p)); }
 
 // The pair of blocks b0, b0 + 1 (b0 even, read as _pack.py interleaves them) of expert e
 // dotted with the N inputs idx[], into o[(r * N + n) * 16 + lane] (fp32, scaled). Inlined
@@ -258,6 +329,81 @@ inline void pair_dots(const BlockProj& p, int64_t e, int64_t b0, const BlockInpu
                       const int64_t* idx, int64_t n, float* o) {
   if (p.int4) block_dots_n<true>(p, e, b0, in, idx, n, o);
   else block_dots_n<false>(p, e, b0, in, idx, n, o);
+}
+
+#else  // the avx2 build: int4 blocks only (int8 keeps its rows, dots_quant.h)
+
+// Inputs q0 .. q0 + N - 1 of the n dotted with the pair of int4 blocks b0, b0 + 1, into
+// o[(r * n + q) * 16 + lane]. A block's 64 bytes per step of 8 values are two halves of 8
+// rows (one int32 lane per row, as in the avx512 build): maddubs multiplies the nibbles
+// (unsigned, <= 15) by the input's signed values in pairs into int16 (<= 3810 in magnitude
+// with the low and high nibbles added), up to four steps are summed in int16 (<= 30480)
+// before madd widens them to int32, and each unit's sums are scaled for 8 rows at once.
+// Why blocks and not the rows of dots_quant.h: per row pair, the rows' int4 loop scales every
+// pair of blocks per row and ends with horizontal sums and a zero-point tail, which made
+// int4 bound by its arithmetic on AVX2 (docs/backends/native.md, Zen 3).
+template <int N>
+void int4_block_dots_avx2(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in,
+                          const int64_t* idx, int64_t n, int64_t q0, float* o) {
+  constexpr int kHalves = 4;  // (block r, half h) = (i / 2, i % 2)
+  const int8_t* x[N];
+  for (int j = 0; j < N; ++j) x[j] = in.q.data() + idx[j] * in.kp;
+  const uint8_t* w = p.block(e, b0);  // step k (8 values): block b0's 64 bytes, then b0 + 1's
+  const __m256i m = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const bool per_row = p.group >= p.kp;
+  __m256 f[kHalves][N];
+  for (int i = 0; i < kHalves; ++i)
+    for (int j = 0; j < N; ++j) f[i][j] = _mm256_setzero_ps();
+  for (int64_t u = 0; u < in.units; ++u) {
+    const int64_t k0 = u * in.unit, k1 = std::min(p.kp, k0 + in.unit), g = k0 / p.group;
+    __m256i a[kHalves][N];
+    for (int j = 0; j < N; ++j) {
+      const int32_t xsum = in.sum[idx[j] * in.units + u];
+      for (int i = 0; i < kHalves; ++i)
+        a[i][j] = p.z ? _mm256_mullo_epi32(p.zero8(e, b0 + i / 2, g, i % 2), _mm256_set1_epi32(-xsum))
+                      : _mm256_set1_epi32(static_cast<int32_t>(-p.off * xsum));
+    }
+    for (int64_t k = k0; k < k1;) {
+      const int64_t k4 = std::min(k1, k + 32);
+      __m256i s16[kHalves][N];
+      for (int i = 0; i < kHalves; ++i)
+        for (int j = 0; j < N; ++j) s16[i][j] = _mm256_setzero_si256();
+      for (; k < k4; k += 8) {
+        __m256i xa[N], xb[N];
+        for (int j = 0; j < N; ++j) xa[j] = _mm256_set1_epi32(four(x[j] + k)), xb[j] = _mm256_set1_epi32(four(x[j] + k + 4));
+#pragma GCC unroll 4
+        for (int i = 0; i < kHalves; ++i) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 16 + i * 32));
+          const __m256i lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+          for (int j = 0; j < N; ++j)
+            s16[i][j] = _mm256_add_epi16(s16[i][j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[j]),
+                                                                     _mm256_maddubs_epi16(hi, xb[j])));
+        }
+      }
+      for (int i = 0; i < kHalves; ++i)
+        for (int j = 0; j < N; ++j) a[i][j] = _mm256_add_epi32(a[i][j], _mm256_madd_epi16(s16[i][j], ones));
+    }
+    const int64_t ag = k0 / in.group;
+    for (int j = 0; j < N; ++j) {
+      const __m256 xs = _mm256_set1_ps(in.s[idx[j] * in.groups + ag]);
+      for (int i = 0; i < kHalves; ++i)
+        f[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[i][j]),
+                                  per_row ? xs : _mm256_mul_ps(p.scale8(e, b0 + i / 2, g, i % 2), xs), f[i][j]);
+    }
+  }
+  for (int i = 0; i < kHalves; ++i) {
+    const __m256 rs = per_row ? p.scale8(e, b0 + i / 2, 0, i % 2) : _mm256_set1_ps(1.f);
+    for (int j = 0; j < N; ++j)
+      _mm256_storeu_ps(o + ((i / 2) * n + q0 + j) * kRows + (i % 2) * 8, _mm256_mul_ps(f[i][j], rs));
+  }
+}
+
+inline void pair_dots(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in,
+                      const int64_t* idx, int64_t n, float* o) {
+  for (int64_t q = 0; q < n; q += 2) {
+    if (q + 1 < n) int4_block_dots_avx2<2>(p, e, b0, in, idx + q, n, q, o);
+    else int4_block_dots_avx2<1>(p, e, b0, in, idx + q, n, q, o);
+  }
 }
 
 #endif  // MD_AVX512

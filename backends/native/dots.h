@@ -18,8 +18,6 @@ inline void row_dot2(int64_t fmt, const Proj& p, int64_t e, int64_t r0, int64_t 
     dot2_bf16(reinterpret_cast<const uint16_t*>(p.row(e, r0)),
               reinterpret_cast<const uint16_t*>(p.row(e, r1)), in.f.data() + i * p.kp,
               in.rest(i), p.kp, o);
-  else if (fmt == kInt4)
-    dot_int4<1>(p, e, r0, r1, in, &i, o);
   else
     dot_int8<1>(p, e, r0, r1, in, &i, o);
 }
@@ -36,10 +34,7 @@ inline void row_dot2x2(int64_t fmt, const Proj& p, int64_t e, int64_t r0, int64_
     return;
   }
   const int64_t idx[2] = {i0, i1};
-  if (fmt == kInt4)
-    dot_int4<2>(p, e, r0, r1, in, idx, o);
-  else
-    dot_int8<2>(p, e, r0, r1, in, idx, o);
+  dot_int8<2>(p, e, r0, r1, in, idx, o);
 }
 
 // Rows r0 and r1 dotted with the n inputs idx[], o as row_dot2x2 writes it, two at a time.

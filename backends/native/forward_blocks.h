@@ -1,4 +1,5 @@
-// The avx512 build's schedule for int8 / int4 weights in blocks of 16 rows (blocks_quant.h):
+// The schedule for weights in blocks of 16 rows (blocks_quant.h: int8 / int4 in the avx512
+// build, int4 in the avx2 build):
 // kernel.cpp's four steps, with every dot product a block's 16 rows by up to kTile inputs.
 //   1. inputs quantized per kNarrowGroup values up to kNarrowTokens tokens (decode: bound by
 //      the weights' bytes, so the finer scales cost nothing and keep the error of the avx2
@@ -27,8 +28,6 @@
 #include <moe_dispatch_fast_call.h>  // new_output
 
 namespace moe_dispatch_native {
-
-#if MD_AVX512
 
 constexpr int64_t kNarrowTokens = 16;
 constexpr int64_t kChunkBlocks = 8;
@@ -82,6 +81,7 @@ inline void down_blocks(const BlockLayer& L, const Routing& r, const BlockInputs
           for (int64_t rr = 0; rr < 2; ++rr) {
             const int64_t col = (b + rr) * kRows, cols = std::min(kRows, L.hidden - col);
             if (cols <= 0) break;  // the padding block of an odd count
+#if MD_AVX512
             const __mmask16 mk = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
             const __m512 bias = L.b2 ? _mm512_maskz_loadu_ps(mk, L.b2 + e * L.hidden + col)
                                      : _mm512_setzero_ps();
@@ -92,6 +92,15 @@ inline void down_blocks(const BlockLayer& L, const Routing& r, const BlockInputs
               const __m512 v = _mm512_add_ps(_mm512_loadu_ps(o + (rr * m + q) * kRows), bias);
               _mm512_mask_storeu_ps(a, mk, _mm512_fmadd_ps(v, scale, _mm512_maskz_loadu_ps(mk, a)));
             }
+#else
+            for (int64_t q = 0; q < m; ++q) {
+              const int64_t p = r.order[slot + q];
+              const float scale = r.on_input ? 1.f : r.w[p];
+              float* a = acc.data() + (p / r.top_k) * width + (col - h0);
+              const float* v = o + (rr * m + q) * kRows;
+              for (int64_t l = 0; l < cols; ++l) a[l] += scale * (v[l] + (L.b2 ? L.b2[e * L.hidden + col + l] : 0.f));
+            }
+#endif
           }
         }
       }
@@ -132,7 +141,5 @@ inline at::Tensor forward_blocks(const BlockLayer& L, const Routing& r, const at
   });
   return out;
 }
-
-#endif  // MD_AVX512
 
 }  // namespace moe_dispatch_native

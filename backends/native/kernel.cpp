@@ -21,17 +21,15 @@
 // The intermediate (T*K*2I floats) never leaves the caches.
 // The four steps run in one OpenMP team with a barrier between them (team.h).
 //
-// The avx512 build runs int8 / int4 weights in blocks of 16 rows instead, through the same
-// four steps (forward_blocks.h, blocks_quant.h). The rows' layouts (packed by _pack.py at
-// prepare(); the reduction axis padded to 32 with zeros, which the zero-padded inputs make
-// exact):
+// int4 weights (both builds) and the avx512 build's int8 weights run in blocks of 16 rows
+// instead, through the same four steps (forward_blocks.h, blocks_quant.h, _pack.py's
+// pack_blocked). The rows' layouts (packed by _pack.py at prepare(); the reduction axis
+// padded to 32 with zeros, which the zero-padded inputs make exact):
 //   bf16: [E, N, Kp] uint16 as stored;
-//   int8: [E, N, Kp] int8; value = q * scale;
-//   int4: [E, N, Kp/2] uint8; in each block of 32 values byte j holds value j in its low
-//         nibble and value j + 16 in its high one; value = (u - zero) * scale, u in 0..15;
-//   scales: fp32 [E, N, 1] (one per row) or fp16 [E, N, groups] (one per group of
-//   32 * blocks_per_group values); zeros: uint8 [E, N, groups], or one constant offset.
-// The integer block dot is exact: sum(u * xq) - zero * sum(xq), in int32.
+//   int8 (avx2 build): [E, N, Kp] int8; value = q * scale; scales fp32 [E, N, 1] (one per
+//   row) or fp16 [E, N, groups] (one per group of 32 * blocks_per_group values).
+// The integer block dots are exact in int32; the blocks subtract the zero point (or int4's
+// offset 8, int8's 128) times the inputs' sum per unit: sum(u * xq) - zero * sum(xq).
 
 
 #include <torch/extension.h>
@@ -70,7 +68,7 @@ class Experts {
       TORCH_CHECK(!b->has_value() || ((*b)->scalar_type() == at::kFloat && (*b)->is_contiguous()),
                   "biases: contiguous float32");
     if (blocked) {
-#if MD_AVX512
+      TORCH_CHECK(MD_AVX512 || fmt == kInt4, "the avx2 build runs int4 weights in blocks, int8 in rows");
       TORCH_CHECK(w13_scales.has_value() && w2_scales.has_value(), "blocks: scales");
       const int64_t hp = (hidden + kBlock - 1) / kBlock * kBlock, ip = (inter + kBlock - 1) / kBlock * kBlock;
       blocks_.act = act, blocks_.hidden = hidden, blocks_.inter = inter;
@@ -82,10 +80,8 @@ class Experts {
       blocks_.b13 = b13_ ? b13_->const_data_ptr<float>() : nullptr;
       blocks_.b2 = b2_ ? b2_->const_data_ptr<float>() : nullptr;
       return;
-#else
-      TORCH_CHECK(false, "the blocked layout is the avx512 build's");
-#endif
     }
+    TORCH_CHECK(fmt != kInt4, "int4 weights run in blocks (blocked=True)");
     w13_ = make_proj(fmt, experts, 2 * inter, std::move(w13), std::move(w13_scales), std::move(w13_zeros), w13_bpg, offset);
     w2_ = make_proj(fmt, experts, hidden, std::move(w2), std::move(w2_scales), std::move(w2_zeros), w2_bpg, offset);
     TORCH_CHECK(w13_.kp >= hidden && w2_.kp >= inter, "padded reduction axes");
@@ -101,9 +97,7 @@ class Experts {
                 ids.dim() == 2 && ids.size(0) == x.size(0), "topk_weights / topk_ids");
     if (x.size(0) == 0) return at::empty_like(x);
     const Routing r = route(tw, ids, experts_, on_input);
-#if MD_AVX512
     if (blocked_) return forward_blocks(blocks_, r, x);
-#endif
     return forward_rows(r, x);
   }
 
@@ -116,8 +110,8 @@ class Experts {
     const bool bf16 = fmt_ == kBf16;
     at::Tensor out = moe_dispatch::new_output(x);
     Inputs xin, ain;
-    xin.init(r.sources(), w13_.kp, static_cast<Format>(fmt_), w13_.bpg);
-    ain.init(pairs, ip, static_cast<Format>(fmt_), w2_.bpg);
+    xin.init(r.sources(), w13_.kp, static_cast<Format>(fmt_));
+    ain.init(pairs, ip, static_cast<Format>(fmt_));
     std::vector<float> act(pairs * ip, 0.f);
     const float* b13 = b13_ ? b13_->const_data_ptr<float>() : nullptr;
     const float* b2 = b2_ ? b2_->const_data_ptr<float>() : nullptr;
@@ -208,9 +202,7 @@ class Experts {
   Proj w13_, w2_;
   OptTensor b13_, b2_;
   bool blocked_;
-#if MD_AVX512
   BlockLayer blocks_;
-#endif
 };
 
 // The layer's plain calls (BackendBase.fast_call): the toolkit's checks, then forward.

@@ -61,12 +61,6 @@ struct Proj {
 inline int64_t gate_row(int64_t act, int64_t u) { return act == kSwigluOai ? 2 * u : u; }
 inline int64_t up_row(int64_t act, int64_t inter, int64_t u) { return act == kSwigluOai ? 2 * u + 1 : inter + u; }
 
-// Where value j of two neighbouring int4 blocks A and B (j < 64) goes in the order their
-// 32 bytes unpack into: the low nibbles give A 0..15, B 0..15, the high ones A 16..31,
-// B 16..31. Inputs' pairs of blocks for int4 weights are stored in this order. The map is
-// its own inverse.
-inline int64_t int4_slot(int64_t j) { return j < 16 || j >= 48 ? j : (j < 32 ? j + 16 : j - 16); }
-
 // v[lo, hi) on one symmetric int8 scale (max|v| / 127, rounded to nearest even): store(k, q)
 // for each value; returns the scale. A NaN or an infinity in the range: every q is 0 and the
 // scale NaN, so that the dot products with it are NaN, as the float math's are (std::max
@@ -98,13 +92,11 @@ using BfInput = uint16_t;
 using BfInput = float;
 #endif
 
-// An input vector in the layout of the weights' dot product: BfInput (bf16 weights), or
-// int8 blocks with their scales; for int4, the blocks in pairs as the pair dot reads them,
-// and per group of the weights (blocks_per_group blocks) the sum of its blocks' scale times
-// sum of values (the zero-point term of a group is its weight scale x zero x this sum).
+// An input vector in the layout of the rows' dot product: BfInput (bf16 weights), or int8
+// blocks with their scales (int8 weights in the avx2 build).
 struct Inputs {
-  int64_t kp = 0, n = 0, bpg = 1, groups = 0;
-  bool quantized = false, paired = false;
+  int64_t kp = 0, n = 0;
+  bool quantized = false;
   std::vector<BfInput> f;     // [n, kp]
   // AVX512-BF16: each value's remainder v - bf16(v) in bf16, [n, kp], allocated at the first
   // value that is not exactly a bf16 (the activated intermediate; an input scaled by its
@@ -115,18 +107,11 @@ struct Inputs {
   std::vector<BfInput> lo;
   std::vector<int8_t> q;      // [n, kp]
   std::vector<float> d;       // [n, kp/32]
-  std::vector<float> d4;      // int4: [n, kp/32, 4], each block's scale four times
-  std::vector<float> gs;      // int4: [n, groups]
-  void init(int64_t n_, int64_t kp_, Format fmt, int64_t bpg_ = 1) {
-    n = n_, kp = kp_, quantized = fmt != kBf16, paired = fmt == kInt4, bpg = bpg_;
+  void init(int64_t n_, int64_t kp_, Format fmt) {
+    n = n_, kp = kp_, quantized = fmt != kBf16;
     if (quantized) {
       q.assign(n * kp, 0);
       d.assign(n * (kp / kBlock), 0.f);
-      if (paired) {
-        groups = (kp / kBlock + bpg - 1) / bpg;
-        d4.assign(n * (kp / kBlock) * 4, 0.f);
-        gs.assign(n * groups, 0.f);
-      }
     } else {
       f.assign(n * kp, BfInput{0});
       lo.clear();
@@ -156,20 +141,11 @@ struct Inputs {
       return;
     }
     const int64_t nb = kp / kBlock;
+    int8_t* out = q.data() + i * kp;
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t lo = b * kBlock;
-      int32_t s = 0;
-      int8_t* out = q.data() + i * kp;
-      // int4: each pair of blocks in int4_slot's order (an odd last block stays as it is).
-      const bool slotted = paired && (b | 1) < nb;
-      const float scale = quantize_range(v, lo, std::min(len, lo + kBlock), [&](int64_t k, int32_t r) {
-        out[slotted ? k - k % 64 + int4_slot(k % 64) : k] = static_cast<int8_t>(r);
-        s += r;
-      });
-      d[i * nb + b] = scale;
-      if (!paired) continue;
-      gs[i * groups + b / bpg] += scale * static_cast<float>(s);
-      std::fill_n(d4.data() + (i * nb + b) * 4, 4, scale);
+      d[i * nb + b] = quantize_range(v, lo, std::min(len, lo + kBlock),
+                                     [&](int64_t k, int32_t r) { out[k] = static_cast<int8_t>(r); });
     }
   }
 };
