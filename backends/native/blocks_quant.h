@@ -139,7 +139,8 @@ struct BlockInputs {
         continue;
       }
       const float amax = _mm512_reduce_max_ps(m);
-      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      // Below 127 / FLT_MAX, 127 / amax is infinite: the group is taken as zeros (quantize_range).
+      const __m512 inv = _mm512_set1_ps(amax >= 127.f / std::numeric_limits<float>::max() ? 127.f / amax : 0.f);
       s[i * groups + g] = amax / 127.f;
       for (int64_t u0 = lo; u0 < hi; u0 += unit) {  // units nest in groups (unit_for)
         __m512i acc = _mm512_setzero_si512();
@@ -180,7 +181,9 @@ struct BlockInputs {
       alignas(32) float lanes[8];
       _mm256_store_ps(lanes, m);
       for (const float l : lanes) amax = std::max(amax, l);
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      // As quantize_range: a group below 127 / FLT_MAX is taken as zeros (127 / amax would
+      // be infinite, and converted, INT_MIN, which packs saturate to -128).
+      const float inv = amax >= 127.f / std::numeric_limits<float>::max() ? 127.f / amax : 0.f;
       const __m256 vinv = _mm256_set1_ps(inv);
       s[i * groups + g] = amax / 127.f;
       for (int64_t u0 = lo; u0 < hi; u0 += unit) {
@@ -337,7 +340,8 @@ inline void pair_dots(const BlockProj& p, int64_t e, int64_t b0, const BlockInpu
 // o[(r * n + q) * 16 + lane]. A block's 64 bytes per step of 8 values are two halves of 8
 // rows (one int32 lane per row, as in the avx512 build): maddubs multiplies the nibbles
 // (unsigned, <= 15) by the input's signed values in pairs into int16 (<= 3810 in magnitude
-// with the low and high nibbles added), up to four steps are summed in int16 (<= 30480)
+// per pair sum, 7620 with the low and high nibbles added), up to four steps are summed in
+// int16 (<= 30480)
 // before madd widens them to int32, and each unit's sums are scaled for 8 rows at once.
 // Why blocks and not the rows of dots_quant.h: per row pair, the rows' int4 loop scales every
 // pair of blocks per row and ends with horizontal sums and a zero-point tail, which made

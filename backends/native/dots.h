@@ -1,6 +1,7 @@
 // The native kernel's building blocks (included by kernel.cpp only): the two-row dot
-// products of each weight format (dots_bf16.h, dots_quant.h, on layout.h), the avx512
-// build's blocks of int8 / int4 rows (blocks_quant.h) and the activations (activations.h).
+// products of bf16 and (avx2 build) int8 rows (dots_bf16.h, dots_quant.h, on layout.h), the
+// blocks of 16 rows for int4 and the avx512 build's int8 (blocks_quant.h) and the
+// activations (activations.h).
 // kernel.py names every header in the build, so that an edit rebuilds.
 
 #pragma once

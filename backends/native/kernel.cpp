@@ -8,8 +8,9 @@
 // bandwidth if the arithmetic keeps up. The schedule that does:
 //   1. inputs: each token's x (scaled by its router weight when that goes on the input)
 //      into the dot product's layout: for bf16 weights bf16 (AVX512-BF16) or interleaved fp32
-//      (AVX2); for int8/int4 weights int8 blocks of 32 with one fp32 scale each (quantized on
-//      the fly, as llama.cpp does: the integer dot product is what keeps up with DRAM on AVX2);
+//      (AVX2); for int8 weights int8 blocks of 32 with one fp32 scale each (quantized on
+//      the fly, as llama.cpp does: the integer dot product is what keeps up with DRAM on AVX2;
+//      the blocks below quantize theirs the same way);
 //   2. w13 and the activation, fused: work items are (expert, block of 16 intermediate
 //      units); each computes the gate and up rows of its units for every token routed to
 //      the expert and writes the activated values. Items are split into one contiguous
@@ -101,7 +102,7 @@ class Experts {
     return forward_rows(r, x);
   }
 
-  bool blocked() const { return blocked_; }  // the avx512 blocks (forward_blocks.h) run
+  bool blocked() const { return blocked_; }  // the 16-row blocks (forward_blocks.h) run
 
  private:
   at::Tensor forward_rows(const Routing& r, const at::Tensor& x) const {

@@ -78,7 +78,9 @@ inline float quantize_range(const float* v, int64_t lo, int64_t hi, Store store)
     for (int64_t k = lo; k < hi; ++k) store(k, 0);
     return std::numeric_limits<float>::quiet_NaN();
   }
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  // Below 127 / FLT_MAX (~3.7e-37) 127 / amax is infinite: such a group is taken as zeros
+  // (its products are that small anyway), as a finite scale of zero values.
+  const float inv = amax >= 127.f / std::numeric_limits<float>::max() ? 127.f / amax : 0.f;
   for (int64_t k = lo; k < hi; ++k) store(k, static_cast<int32_t>(std::nearbyint(v[k] * inv)));
   return amax / 127.f;
 }
