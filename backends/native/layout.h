@@ -35,7 +35,7 @@ enum Act : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2, kSwigluOai = 3 };
 constexpr int64_t kBlock = 32;  // values per quantization block
 constexpr int64_t kUnits = 16;  // intermediate units per work item of step 2
 constexpr int64_t kCols = 16;   // output columns per work item of step 4
-constexpr int64_t kTile = 6;    // inputs per call of rows_dots (dots.h) and pair_dots (blocks_quant.h)
+constexpr int64_t kTile = 6;    // inputs per call of rows_dots (dots.h) and pair_dots (blocks_avx*.h)
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -1,0 +1,144 @@
+// The avx2 build's blocks (blocks_quant.h; int4 only: int8 keeps its rows, dots_quant.h):
+// BlockInputs::set and the pair dot products, a maddubs per 8 rows.
+
+#pragma once
+
+#include "blocks_quant.h"
+
+namespace moe_dispatch_native {
+
+inline void BlockInputs::set(int64_t i, const float* v, int64_t len) {
+  int8_t* out = q.data() + i * kp;
+  int32_t* su = sum.data() + i * units;
+  // The same values as the avx512 build's: amax / 127, products rounded to nearest even
+  // (cvtps_epi32 in the default rounding mode, nearbyint in the tails).
+  const __m256 sign = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(std::numeric_limits<float>::max());
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t lo = g * group, hi = std::min(len, lo + group);
+    if (hi <= lo) break;
+    __m256 m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    float amax = 0.f;
+    bool finite = true;
+    int64_t k = lo;
+    for (; k + 8 <= hi; k += 8) {
+      const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(v + k));
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));
+      m = _mm256_max_ps(m, a);
+    }
+    for (; k < hi; ++k) {
+      const float a = std::fabs(v[k]);
+      if (!(a <= std::numeric_limits<float>::max())) finite = false;
+      else amax = std::max(amax, a);
+    }
+    if (_mm256_movemask_ps(bad) || !finite) {  // values stay 0, the scale NaN (as above)
+      s[i * groups + g] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    for (const float l : lanes) amax = std::max(amax, l);
+    // As quantize_range: a group below 127 / FLT_MAX is taken as zeros (127 / amax would
+    // be infinite, and converted, INT_MIN, which packs saturate to -128).
+    const float inv = amax >= 127.f / std::numeric_limits<float>::max() ? 127.f / amax : 0.f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    s[i * groups + g] = amax / 127.f;
+    for (int64_t u0 = lo; u0 < hi; u0 += unit) {
+      const int64_t u1 = std::min(hi, u0 + unit);
+      __m256i acc = _mm256_setzero_si256();
+      int32_t tail_sum = 0;
+      k = u0;
+      for (; k + 8 <= u1; k += 8) {
+        const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + k), vinv));
+        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(out + k), _mm_packs_epi16(w, w));
+        acc = _mm256_add_epi32(acc, r);
+      }
+      for (; k < u1; ++k) {
+        const int32_t r = static_cast<int32_t>(std::nearbyint(v[k] * inv));
+        out[k] = static_cast<int8_t>(r);
+        tail_sum += r;
+      }
+      alignas(32) int32_t parts[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(parts), acc);
+      for (const int32_t p : parts) tail_sum += p;
+      su[u0 / unit] = tail_sum;
+    }
+  }
+}
+
+
+// Inputs q0 .. q0 + N - 1 of the n dotted with the pair of int4 blocks b0, b0 + 1, into
+// o[(r * n + q) * 16 + lane]. A block's 64 bytes per step of 8 values are two halves of 8
+// rows (one int32 lane per row, as in the avx512 build): maddubs multiplies the nibbles
+// (unsigned, <= 15) by the input's signed values in pairs into int16 (<= 3810 in magnitude
+// per pair sum, 7620 with the low and high nibbles added), up to four steps are summed in
+// int16 (<= 30480)
+// before madd widens them to int32, and each unit's sums are scaled for 8 rows at once.
+// Why blocks and not the rows of dots_quant.h: per row pair, the rows' int4 loop scales every
+// pair of blocks per row and ends with horizontal sums and a zero-point tail, which made
+// int4 bound by its arithmetic on AVX2 (docs/backends/native.md, Zen 3).
+template <int N>
+void int4_block_dots_avx2(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in,
+                          const int64_t* idx, int64_t n, int64_t q0, float* o) {
+  constexpr int kHalves = 4;  // (block r, half h) = (i / 2, i % 2)
+  const int8_t* x[N];
+  for (int j = 0; j < N; ++j) x[j] = in.q.data() + idx[j] * in.kp;
+  const uint8_t* w = p.block(e, b0);  // step k (8 values): block b0's 64 bytes, then b0 + 1's
+  const __m256i m = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const bool per_row = p.group >= p.kp;
+  __m256 f[kHalves][N];
+  for (int i = 0; i < kHalves; ++i)
+    for (int j = 0; j < N; ++j) f[i][j] = _mm256_setzero_ps();
+  for (int64_t u = 0; u < in.units; ++u) {
+    const int64_t k0 = u * in.unit, k1 = std::min(p.kp, k0 + in.unit), g = k0 / p.group;
+    __m256i a[kHalves][N];
+    for (int j = 0; j < N; ++j) {
+      const int32_t xsum = in.sum[idx[j] * in.units + u];
+      for (int i = 0; i < kHalves; ++i)
+        a[i][j] = p.z ? _mm256_mullo_epi32(p.zero8(e, b0 + i / 2, g, i % 2), _mm256_set1_epi32(-xsum))
+                      : _mm256_set1_epi32(static_cast<int32_t>(-p.off * xsum));
+    }
+    for (int64_t k = k0; k < k1;) {
+      const int64_t k4 = std::min(k1, k + 32);
+      __m256i s16[kHalves][N];
+      for (int i = 0; i < kHalves; ++i)
+        for (int j = 0; j < N; ++j) s16[i][j] = _mm256_setzero_si256();
+      for (; k < k4; k += 8) {
+        __m256i xa[N], xb[N];
+        for (int j = 0; j < N; ++j) xa[j] = _mm256_set1_epi32(four(x[j] + k)), xb[j] = _mm256_set1_epi32(four(x[j] + k + 4));
+#pragma GCC unroll 4
+        for (int i = 0; i < kHalves; ++i) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 16 + i * 32));
+          const __m256i lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+          for (int j = 0; j < N; ++j)
+            s16[i][j] = _mm256_add_epi16(s16[i][j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[j]),
+                                                                     _mm256_maddubs_epi16(hi, xb[j])));
+        }
+      }
+      for (int i = 0; i < kHalves; ++i)
+        for (int j = 0; j < N; ++j) a[i][j] = _mm256_add_epi32(a[i][j], _mm256_madd_epi16(s16[i][j], ones));
+    }
+    const int64_t ag = k0 / in.group;
+    for (int j = 0; j < N; ++j) {
+      const __m256 xs = _mm256_set1_ps(in.s[idx[j] * in.groups + ag]);
+      for (int i = 0; i < kHalves; ++i)
+        f[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[i][j]),
+                                  per_row ? xs : _mm256_mul_ps(p.scale8(e, b0 + i / 2, g, i % 2), xs), f[i][j]);
+    }
+  }
+  for (int i = 0; i < kHalves; ++i) {
+    const __m256 rs = per_row ? p.scale8(e, b0 + i / 2, 0, i % 2) : _mm256_set1_ps(1.f);
+    for (int j = 0; j < N; ++j)
+      _mm256_storeu_ps(o + ((i / 2) * n + q0 + j) * kRows + (i % 2) * 8, _mm256_mul_ps(f[i][j], rs));
+  }
+}
+
+inline void pair_dots(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in,
+                      const int64_t* idx, int64_t n, float* o) {
+  for (int64_t q = 0; q < n; q += 2) {
+    if (q + 1 < n) int4_block_dots_avx2<2>(p, e, b0, in, idx + q, n, q, o);
+    else int4_block_dots_avx2<1>(p, e, b0, in, idx + q, n, q, o);
+  }
+}
+
+}  // namespace moe_dispatch_native
