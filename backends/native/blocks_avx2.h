@@ -30,7 +30,7 @@ inline void BlockInputs::set(int64_t i, const float* v, int64_t len) {
       if (!(a <= std::numeric_limits<float>::max())) finite = false;
       else amax = std::max(amax, a);
     }
-    if (_mm256_movemask_ps(bad) || !finite) {  // values stay 0, the scale NaN (as above)
+    if (_mm256_movemask_ps(bad) || !finite) {  // values stay 0, the scale NaN (as avx512's)
       s[i * groups + g] = std::numeric_limits<float>::quiet_NaN();
       continue;
     }
@@ -66,17 +66,16 @@ inline void BlockInputs::set(int64_t i, const float* v, int64_t len) {
   }
 }
 
-
 // Inputs q0 .. q0 + N - 1 of the n dotted with the pair of int4 blocks b0, b0 + 1, into
 // o[(r * n + q) * 16 + lane]. A block's 64 bytes per step of 8 values are two halves of 8
 // rows (one int32 lane per row, as in the avx512 build): maddubs multiplies the nibbles
 // (unsigned, <= 15) by the input's signed values in pairs into int16 (<= 3810 in magnitude
 // per pair sum, 7620 with the low and high nibbles added), up to four steps are summed in
-// int16 (<= 30480)
-// before madd widens them to int32, and each unit's sums are scaled for 8 rows at once.
-// Why blocks and not the rows of dots_quant.h: per row pair, the rows' int4 loop scales every
-// pair of blocks per row and ends with horizontal sums and a zero-point tail, which made
-// int4 bound by its arithmetic on AVX2 (docs/backends/native.md, Zen 3).
+// int16 (<= 30480) before madd widens them to int32, and each unit's sums are scaled for 8
+// rows at once. Why blocks and not rows side by side, as int8 keeps them (dots_quant.h): an
+// int4 loop over rows scaled every pair of blocks of every row and ended each row with
+// horizontal sums and a zero-point tail, which bound it by its arithmetic on AVX2
+// (architecture.md: 0.65-0.92x of its time at decode in blocks, on a Zen 3).
 template <int N>
 void int4_block_dots_avx2(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in,
                           const int64_t* idx, int64_t n, int64_t q0, float* o) {
