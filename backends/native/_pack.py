@@ -9,8 +9,8 @@ a multiple of 32 (the inputs are zero there too, so the padding adds exactly not
 
 int4 weights (both builds) and the avx512 build's int8 weights go in blocks of 16 rows
 instead (``pack_blocked``; ``blocks_quant.h`` reads them), ``[E, blocks, bytes]``: per
-block and per 4 values of K (a step), 64 bytes hold the 16 rows' 4 values (row r's at bytes 4r..4r+3), so that one load
-feeds a ``vpdpbusd`` for 16 rows at once (the avx2 build reads each 64 bytes as two halves
+block and per 4 values of K (a step), 64 bytes hold the 16 rows' 4 values (row r's at bytes
+4r..4r+3), so that one load feeds a ``vpdpbusd`` for 16 rows at once (the avx2 build reads each 64 bytes as two halves
 of 8 rows, ``maddubs`` then ``madd``); int4 values (u, 0..15) pair two steps in one 64
 bytes, the first in the low nibbles. int8 values are stored + 128 (``vpdpbusd``'s unsigned
 operand). Blocks go in pairs (2p, 2p + 1), interleaved step by step (block 2p's 64 bytes,

@@ -82,9 +82,9 @@ class Experts {
       blocks_.b2 = b2_ ? b2_->const_data_ptr<float>() : nullptr;
       return;
     }
-    TORCH_CHECK(fmt != kInt4, "int4 weights run in blocks (blocked=True)");
-    w13_ = make_proj(fmt, experts, 2 * inter, std::move(w13), std::move(w13_scales), std::move(w13_zeros), w13_bpg, offset);
-    w2_ = make_proj(fmt, experts, hidden, std::move(w2), std::move(w2_scales), std::move(w2_zeros), w2_bpg, offset);
+    TORCH_CHECK(fmt != kInt4 && !w13_zeros && !w2_zeros, "int4 weights and zero points run in blocks (blocked=True)");
+    w13_ = make_proj(fmt, experts, 2 * inter, std::move(w13), std::move(w13_scales), w13_bpg);
+    w2_ = make_proj(fmt, experts, hidden, std::move(w2), std::move(w2_scales), w2_bpg);
     TORCH_CHECK(w13_.kp >= hidden && w2_.kp >= inter, "padded reduction axes");
   }
 

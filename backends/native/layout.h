@@ -47,12 +47,11 @@ inline float hsum(__m256 v) {
 // One projection in the kernel's layout; raw pointers resolved once (a Tensor accessor per
 // row costs more than the row's arithmetic: measured 8 ms per C2 call with them).
 struct Proj {
-  at::Tensor q, scales, zeros;  // held for their storage; zeros undefined: the offset applies
+  at::Tensor q, scales;  // held for their storage
   const uint8_t* base = nullptr;
   const float* s32 = nullptr;
   const uint16_t* s16 = nullptr;
-  const uint8_t* z = nullptr;
-  int64_t rows = 0, kp = 0, row_bytes = 0, groups = 1, bpg = 1, offset = 0;
+  int64_t rows = 0, kp = 0, row_bytes = 0, groups = 1, bpg = 1;
   const uint8_t* row(int64_t e, int64_t r) const { return base + (e * rows + r) * row_bytes; }
 };
 
@@ -154,8 +153,7 @@ struct Inputs {
 
 // One projection [experts, rows, Kp] in the kernel's layout (_pack.py's tensors, checked).
 inline Proj make_proj(int64_t fmt, int64_t experts, int64_t rows, at::Tensor q,
-                      std::optional<at::Tensor> scales, std::optional<at::Tensor> zeros,
-                      int64_t bpg, int64_t offset) {
+                      std::optional<at::Tensor> scales, int64_t bpg) {
   Proj p;
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(0) == experts && q.size(1) == rows,
               "weights [E, N, Kp] contiguous");
@@ -177,19 +175,12 @@ inline Proj make_proj(int64_t fmt, int64_t experts, int64_t rows, at::Tensor q,
     else
       TORCH_CHECK(false, "scales fp16 or fp32");
     TORCH_CHECK(bpg >= 1 && p.groups * bpg >= p.kp / kBlock, "blocks per group");
-    if (zeros.has_value()) {
-      TORCH_CHECK(zeros->scalar_type() == at::kByte && zeros->sizes() == scales->sizes() &&
-                  zeros->is_contiguous(), "zeros uint8 like scales");
-      p.zeros = *zeros;
-      p.z = p.zeros.const_data_ptr<uint8_t>();
-    }
   }
   p.row_bytes = q.element_size() * width;
   p.q = std::move(q);
   p.base = static_cast<const uint8_t*>(p.q.const_data_ptr());
   p.rows = rows;
   p.bpg = bpg;
-  p.offset = offset;
   return p;
 }
 
