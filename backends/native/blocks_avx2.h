@@ -70,44 +70,68 @@ inline void BlockInputs::set(int64_t i, const float* v, int64_t len) {
 // o[(r * n + q) * 16 + lane]. A block's 64 bytes per step of 8 values are two halves of 8
 // rows (one int32 lane per row, as in the avx512 build): maddubs multiplies the nibbles
 // (unsigned, <= 15) by the input's signed values in pairs into int16 (<= 3810 in magnitude
-// per pair sum, 7620 with the low and high nibbles added), up to four steps are summed in
-// int16 (<= 30480) before madd widens them to int32, and each unit's sums are scaled for 8
-// rows at once. Why blocks and not rows side by side, as int8 keeps them (dots_quant.h): an
-// int4 loop over rows scaled every pair of blocks of every row and ended each row with
-// horizontal sums and a zero-point tail, which bound it by its arithmetic on AVX2
-// (architecture.md: 0.65-0.92x of its time at decode in blocks, on a Zen 3).
-template <int N>
+// per pair sum, 7620 with the low and high nibbles added), a chunk of four steps (32 values)
+// is summed in int16 (<= 30480) before madd widens it to int32, and each unit's sums are
+// scaled for 8 rows at once. Why blocks and not rows side by side, as int8 keeps them
+// (dots_quant.h): an int4 loop over rows scaled every pair of blocks of every row and ended
+// each row with horizontal sums and a zero-point tail, which bound it by its arithmetic on
+// AVX2 (architecture.md: 0.65-0.92x of its time at decode in blocks, on a Zen 3).
+//
+// Units (32 values at decode) are short, so what runs once per unit counts: the chunk's
+// four steps are unrolled, the unit's groups counted with shifts (both are powers of two
+// when they are not the whole row), and the zero points a template argument (measured on a
+// Zen 3 with the weights in L3, C2 T=1: the per-unit work was 44% of this function's time
+// when each unit divided twice and tested for zero points).
+template <int N, bool kZeros>
 void int4_block_dots_avx2(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in,
                           const int64_t* idx, int64_t n, int64_t q0, float* o) {
   constexpr int kHalves = 4;  // (block r, half h) = (i / 2, i % 2)
   const int8_t* x[N];
-  for (int j = 0; j < N; ++j) x[j] = in.q.data() + idx[j] * in.kp;
+  const int32_t* xsum[N];
+  const float* xs[N];
+  for (int j = 0; j < N; ++j) {
+    x[j] = in.q.data() + idx[j] * in.kp;
+    xsum[j] = in.sum.data() + idx[j] * in.units;
+    xs[j] = in.s.data() + idx[j] * in.groups;
+  }
   const uint8_t* w = p.block(e, b0);  // step k (8 values): block b0's 64 bytes, then b0 + 1's
   const __m256i m = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const bool per_row = p.group >= p.kp;
+  const int wshift = per_row ? 0 : __builtin_ctzll(static_cast<uint64_t>(p.group));
+  const int xshift = __builtin_ctzll(static_cast<uint64_t>(in.group));  // 32 or 128
   __m256 f[kHalves][N];
   for (int i = 0; i < kHalves; ++i)
     for (int j = 0; j < N; ++j) f[i][j] = _mm256_setzero_ps();
   for (int64_t u = 0; u < in.units; ++u) {
-    const int64_t k0 = u * in.unit, k1 = std::min(p.kp, k0 + in.unit), g = k0 / p.group;
+    const int64_t k0 = u * in.unit, k1 = std::min(p.kp, k0 + in.unit);
+    const int64_t g = per_row ? 0 : k0 >> wshift;
     __m256i a[kHalves][N];
     for (int j = 0; j < N; ++j) {
-      const int32_t xsum = in.sum[idx[j] * in.units + u];
-      for (int i = 0; i < kHalves; ++i)
-        a[i][j] = p.z ? _mm256_mullo_epi32(p.zero8(e, b0 + i / 2, g, i % 2), _mm256_set1_epi32(-xsum))
-                      : _mm256_set1_epi32(static_cast<int32_t>(-p.off * xsum));
+      if constexpr (kZeros) {
+        for (int i = 0; i < kHalves; ++i)
+          a[i][j] = _mm256_mullo_epi32(p.zero8(e, b0 + i / 2, g, i % 2), _mm256_set1_epi32(-xsum[j][u]));
+      } else {
+        const __m256i off = _mm256_set1_epi32(static_cast<int32_t>(-p.off * xsum[j][u]));
+        for (int i = 0; i < kHalves; ++i) a[i][j] = off;
+      }
     }
-    for (int64_t k = k0; k < k1;) {
-      const int64_t k4 = std::min(k1, k + 32);
+    for (int64_t k = k0; k < k1; k += 32) {  // chunks of 4 steps (kp is a multiple of 32)
+      // The chunk's 512 bytes kAhead ahead (layout.h), past the pair's end into the next
+      // pair, which a thread's share reads next. Why: the blocks cost more arithmetic per
+      // byte than bf16, and without it a cold call computed and waited for memory in turn
+      // (Zen 3, 2 threads: 0.85-0.95x of the time without it at C1 and C2 T=1-16).
+      for (int l = 0; l < 8; ++l) prefetch(w + k * 16 + l * 64);
       __m256i s16[kHalves][N];
       for (int i = 0; i < kHalves; ++i)
         for (int j = 0; j < N; ++j) s16[i][j] = _mm256_setzero_si256();
-      for (; k < k4; k += 8) {
+#pragma GCC unroll 1
+      for (int64_t t = 0; t < 4; ++t) {  // not unrolled: GCC then hoists the 32 maddubs and spills them
+        const int64_t kk = k + 8 * t;
         __m256i xa[N], xb[N];
-        for (int j = 0; j < N; ++j) xa[j] = _mm256_set1_epi32(four(x[j] + k)), xb[j] = _mm256_set1_epi32(four(x[j] + k + 4));
+        for (int j = 0; j < N; ++j) xa[j] = _mm256_set1_epi32(four(x[j] + kk)), xb[j] = _mm256_set1_epi32(four(x[j] + kk + 4));
 #pragma GCC unroll 4
         for (int i = 0; i < kHalves; ++i) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 16 + i * 32));
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kk * 16 + i * 32));
           const __m256i lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
           for (int j = 0; j < N; ++j)
             s16[i][j] = _mm256_add_epi16(s16[i][j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[j]),
@@ -117,12 +141,11 @@ void int4_block_dots_avx2(const BlockProj& p, int64_t e, int64_t b0, const Block
       for (int i = 0; i < kHalves; ++i)
         for (int j = 0; j < N; ++j) a[i][j] = _mm256_add_epi32(a[i][j], _mm256_madd_epi16(s16[i][j], ones));
     }
-    const int64_t ag = k0 / in.group;
-    for (int j = 0; j < N; ++j) {
-      const __m256 xs = _mm256_set1_ps(in.s[idx[j] * in.groups + ag]);
-      for (int i = 0; i < kHalves; ++i)
-        f[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[i][j]),
-                                  per_row ? xs : _mm256_mul_ps(p.scale8(e, b0 + i / 2, g, i % 2), xs), f[i][j]);
+    const int64_t ag = k0 >> xshift;
+    for (int i = 0; i < kHalves; ++i) {
+      const __m256 ws = per_row ? _mm256_set1_ps(1.f) : p.scale8(e, b0 + i / 2, g, i % 2);
+      for (int j = 0; j < N; ++j)
+        f[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[i][j]), _mm256_mul_ps(ws, _mm256_set1_ps(xs[j][ag])), f[i][j]);
     }
   }
   for (int i = 0; i < kHalves; ++i) {
@@ -132,12 +155,19 @@ void int4_block_dots_avx2(const BlockProj& p, int64_t e, int64_t b0, const Block
   }
 }
 
+template <bool kZeros>
+inline void pair_dots_int4(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in,
+                           const int64_t* idx, int64_t n, float* o) {
+  for (int64_t q = 0; q < n; q += 2) {
+    if (q + 1 < n) int4_block_dots_avx2<2, kZeros>(p, e, b0, in, idx + q, n, q, o);
+    else int4_block_dots_avx2<1, kZeros>(p, e, b0, in, idx + q, n, q, o);
+  }
+}
+
 inline void pair_dots(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in,
                       const int64_t* idx, int64_t n, float* o) {
-  for (int64_t q = 0; q < n; q += 2) {
-    if (q + 1 < n) int4_block_dots_avx2<2>(p, e, b0, in, idx + q, n, q, o);
-    else int4_block_dots_avx2<1>(p, e, b0, in, idx + q, n, q, o);
-  }
+  if (p.z) pair_dots_int4<true>(p, e, b0, in, idx, n, o);
+  else pair_dots_int4<false>(p, e, b0, in, idx, n, o);
 }
 
 }  // namespace moe_dispatch_native
