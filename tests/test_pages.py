@@ -97,7 +97,7 @@ def test_the_native_kernels_weights_are_in_huge_pages():
     from moe_dispatch_backends.native._pack import experts_args
 
     w = random_weights(CFG)
-    packed = _large(experts_args(CFG, md.LayerWeights(CFG, w["w13"], w["w2"]), "avx2"))
+    packed = _large(experts_args(CFG, md.LayerWeights(CFG, w["w13"], w["w2"])))
     assert len(packed) == 2 and all(advised(t) for t in packed)
 
 

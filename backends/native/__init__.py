@@ -101,7 +101,7 @@ class NativeBackend(md.BackendBase):
         module = kernel.load(isa) if isa is not None else None
         if module is None:
             raise RuntimeError(f"the native kernel is unavailable: {why}")
-        experts = module.Experts(*experts_args(weights.config, weights, isa))
+        experts = module.Experts(*experts_args(weights.config, weights))
         return NativeState(weights.config, experts, module, isa)
 
     def apply(self, state: NativeState, hidden_states: torch.Tensor, topk_weights: torch.Tensor,

@@ -1,21 +1,17 @@
 """The native kernel's weight layout, packed at prepare() from the canonical weights.
 
-Every projection ``[E, N, K]`` keeps its rows; the reduction axis K is padded with zeros to
-a multiple of 32 (the inputs are zero there too, so the padding adds exactly nothing):
+bf16 weights keep their rows ``[E, N, K]`` as stored, the reduction axis K padded with zeros
+to a multiple of 32 (the inputs are zero there too, so the padding adds exactly nothing).
 
-- bf16: the values as stored;
-- int8 (the avx2 build): the values; scales fp32 ``[E, N, 1]`` (per channel) or fp16
-  ``[E, N, K/32]``.
-
-int4 weights (both builds) and the avx512 build's int8 weights go in blocks of 16 rows
-instead (``pack_blocked``; ``blocks_quant.h`` reads them), ``[E, blocks, bytes]``: per
-block and per 4 values of K (a step), 64 bytes hold the 16 rows' 4 values (row r's at bytes
-4r..4r+3), so that one load feeds a ``vpdpbusd`` for 16 rows at once (the avx2 build reads each 64 bytes as two halves
+int8 and int4 weights go in blocks of 16 rows (``pack_blocked``; ``blocks_quant.h`` reads
+them), ``[E, blocks, bytes]``, K padded the same way: per block and per 4 values of K (a
+step), 64 bytes hold the 16 rows' 4 values (row r's at bytes 4r..4r+3), so that one load
+feeds a ``vpdpbusd`` for 16 rows at once (the avx2 build reads each 64 bytes as two halves
 of 8 rows, ``maddubs`` then ``madd``); int4 values (u, 0..15) pair two steps in one 64
 bytes, the first in the low nibbles. int8 values are stored + 128 (``vpdpbusd``'s unsigned
-operand). Blocks go in pairs (2p, 2p + 1), interleaved step by step (block 2p's 64 bytes,
-then block 2p + 1's), so that the kernel, which reads a pair at once, reads one stream: two
-streams 32 KB apart made C2 decode 10-20% slower on a Zen 4. Scales and zero points are
+operand; the avx2 build flips them back to signed). Blocks go in pairs (2p, 2p + 1),
+interleaved step by step (block 2p's 64 bytes, then block 2p + 1's), so that the kernel,
+which reads a pair at once, reads one stream: two streams 32 KB apart made C2 decode 10-20% slower on a Zen 4. Scales and zero points are
 ``[E, blocks, G, 16]``. w13's blocks alternate gate and up rows of 16 intermediate units
 (block 2j: gate rows of units 16j..16j+15, block 2j + 1: their up rows), whatever the
 canonical row order of the activation; rows past the end (to whole pairs of blocks) are
@@ -72,16 +68,6 @@ def pack_float(w: torch.Tensor) -> Packed:
     return Packed(_pad_k(w, torch.bfloat16))
 
 
-def pack_int8_rows(t: md.QuantizedTensor) -> Packed:
-    """int8 weights in rows (the avx2 build's int8 layout)."""
-    _, _, k = t.shape
-    q = _pad_k(t.qweight, torch.int8)
-    if t.scheme.group_size is None:  # one scale per row: every block of the row is in group 0
-        return Packed(q, t.scales.to(torch.float32, copy=True).contiguous(), None,
-                      padded(k) // BLOCK)
-    return Packed(q, t.scales.clone().contiguous(), None, t.scheme.group_size // BLOCK)
-
-
 def _blocks(rows: list[int]) -> torch.Tensor:
     """Canonical row of each blocked row (-1: padding), padded to whole pairs of blocks."""
     rows = rows + [-1] * (-len(rows) % (2 * ROWS))
@@ -134,20 +120,16 @@ def pack_blocked(t: md.QuantizedTensor, order: torch.Tensor) -> Packed:
     return Packed(q, scales, zeros, group // BLOCK)
 
 
-def experts_args(config: md.MoEConfig, weights: md.LayerWeights, isa: str) -> tuple[Any, ...]:
-    """The constructor arguments of the kernel's ``Experts`` for this layer and build."""
+def experts_args(config: md.MoEConfig, weights: md.LayerWeights) -> tuple[Any, ...]:
+    """The constructor arguments of the kernel's ``Experts`` for this layer (both builds
+    read the same layout)."""
     q = weights.quantized
-    # int4 in blocks in both builds; int8 in blocks in the avx512 build, rows in the avx2 one.
-    blocked = q is not None and (isa == "avx512" or q.w13.scheme.bits == 4)
     if q is None:
         w13, w2 = pack_float(weights.w13), pack_float(weights.w2)
         b13, b2, fmt, offset = weights.w13_bias, weights.w2_bias, "float", 0
     else:
-        if blocked:
-            w13 = pack_blocked(q.w13, w13_rows(config))
-            w2 = pack_blocked(q.w2, _blocks(list(range(config.hidden_size))))
-        else:
-            w13, w2 = pack_int8_rows(q.w13), pack_int8_rows(q.w2)
+        w13 = pack_blocked(q.w13, w13_rows(config))
+        w2 = pack_blocked(q.w2, _blocks(list(range(config.hidden_size))))
         b13, b2 = q.w13_bias, q.w2_bias
         fmt = f"int{q.w13.scheme.bits}"
         offset = 8 if q.w13.scheme.bits == 4 else 0  # symmetric int4 stores q + 8
@@ -155,4 +137,4 @@ def experts_args(config: md.MoEConfig, weights: md.LayerWeights, isa: str) -> tu
     return (FORMATS[fmt], ACTIVATIONS[str(config.activation)], config.num_experts,
             config.hidden_size, config.intermediate_size,
             w13.q, w13.scales, w13.zeros, w13.blocks_per_group,
-            w2.q, w2.scales, w2.zeros, w2.blocks_per_group, offset, bias[0], bias[1], blocked)
+            w2.q, w2.scales, w2.zeros, w2.blocks_per_group, offset, bias[0], bias[1])

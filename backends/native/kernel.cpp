@@ -7,10 +7,7 @@
 // Decode streams each active expert's weights once per call, so it is bound by memory
 // bandwidth if the arithmetic keeps up. The schedule that does:
 //   1. inputs: each token's x (scaled by its router weight when that goes on the input)
-//      into the dot product's layout: for bf16 weights bf16 (AVX512-BF16) or interleaved fp32
-//      (AVX2); for int8 weights int8 blocks of 32 with one fp32 scale each (quantized on
-//      the fly, as llama.cpp does: the integer dot product is what keeps up with DRAM on AVX2;
-//      the blocks below quantize theirs the same way);
+//      into the dot product's layout: bf16 (AVX512-BF16) or interleaved fp32 (AVX2);
 //   2. w13 and the activation, fused: work items are (expert, block of 16 intermediate
 //      units); each computes the gate and up rows of its units for every token routed to
 //      the expert and writes the activated values. Items are split into one contiguous
@@ -22,15 +19,12 @@
 // The intermediate (T*K*2I floats) never leaves the caches.
 // The four steps run in one OpenMP team with a barrier between them (team.h).
 //
-// int4 weights (both builds) and the avx512 build's int8 weights run in blocks of 16 rows
-// instead, through the same four steps (forward_blocks.h, blocks_quant.h, _pack.py's
-// pack_blocked). The rows' layouts (packed by _pack.py at prepare(); the reduction axis
-// padded to 32 with zeros, which the zero-padded inputs make exact):
-//   bf16: [E, N, Kp] uint16 as stored;
-//   int8 (avx2 build): [E, N, Kp] int8; value = q * scale; scales fp32 [E, N, 1] (one per
-//   row) or fp16 [E, N, groups] (one per group of 32 * blocks_per_group values).
-// The integer block dots are exact in int32; the blocks subtract the zero point (or int4's
-// offset 8, int8's 128) times the inputs' sum per unit: sum(u * xq) - zero * sum(xq).
+// That is the schedule of bf16 weights, in rows: [E, N, Kp] uint16 as stored (packed by
+// _pack.py at prepare(); the reduction axis padded to 32 with zeros, which the zero-padded
+// inputs make exact). int8 and int4 weights run in blocks of 16 rows instead, through the
+// same four steps, on inputs quantized to int8 on the fly as llama.cpp does (the integer dot
+// product is what keeps up with DRAM on AVX2): forward_blocks.h, blocks_quant.h, _pack.py's
+// pack_blocked.
 
 
 #include <torch/extension.h>
@@ -61,15 +55,14 @@ class Experts {
   Experts(int64_t fmt, int64_t act, int64_t experts, int64_t hidden, int64_t inter,
           at::Tensor w13, OptTensor w13_scales, OptTensor w13_zeros, int64_t w13_bpg,
           at::Tensor w2, OptTensor w2_scales, OptTensor w2_zeros, int64_t w2_bpg,
-          int64_t offset, OptTensor b13, OptTensor b2, bool blocked)
+          int64_t offset, OptTensor b13, OptTensor b2)
       : fmt_(fmt), act_(act), experts_(experts), hidden_(hidden), inter_(inter),
-        b13_(std::move(b13)), b2_(std::move(b2)), blocked_(blocked) {
+        b13_(std::move(b13)), b2_(std::move(b2)) {
     TORCH_CHECK(fmt >= kBf16 && fmt <= kInt4 && act >= kSilu && act <= kSwigluOai, "format/act");
     for (const OptTensor* b : {&b13_, &b2_})
       TORCH_CHECK(!b->has_value() || ((*b)->scalar_type() == at::kFloat && (*b)->is_contiguous()),
                   "biases: contiguous float32");
-    if (blocked) {
-      TORCH_CHECK(MD_AVX512 || fmt == kInt4, "the avx2 build runs int4 weights in blocks, int8 in rows");
+    if (fmt != kBf16) {  // int8 / int4: blocks of 16 rows
       TORCH_CHECK(w13_scales.has_value() && w2_scales.has_value(), "blocks: scales");
       const int64_t hp = (hidden + kBlock - 1) / kBlock * kBlock, ip = (inter + kBlock - 1) / kBlock * kBlock;
       blocks_.act = act, blocks_.hidden = hidden, blocks_.inter = inter;
@@ -82,9 +75,9 @@ class Experts {
       blocks_.b2 = b2_ ? b2_->const_data_ptr<float>() : nullptr;
       return;
     }
-    TORCH_CHECK(fmt != kInt4 && !w13_zeros && !w2_zeros, "int4 weights and zero points run in blocks (blocked=True)");
-    w13_ = make_proj(fmt, experts, 2 * inter, std::move(w13), std::move(w13_scales), w13_bpg);
-    w2_ = make_proj(fmt, experts, hidden, std::move(w2), std::move(w2_scales), w2_bpg);
+    TORCH_CHECK(!w13_scales && !w2_scales && !w13_zeros && !w2_zeros, "bf16 weights: no scales or zero points");
+    w13_ = make_proj(experts, 2 * inter, std::move(w13));
+    w2_ = make_proj(experts, hidden, std::move(w2));
     TORCH_CHECK(w13_.kp >= hidden && w2_.kp >= inter, "padded reduction axes");
   }
 
@@ -98,29 +91,24 @@ class Experts {
                 ids.dim() == 2 && ids.size(0) == x.size(0), "topk_weights / topk_ids");
     if (x.size(0) == 0) return at::empty_like(x);
     const Routing r = route(tw, ids, experts_, on_input);
-    if (blocked_) return forward_blocks(blocks_, r, x);
+    if (fmt_ != kBf16) return forward_blocks(blocks_, r, x);
     return forward_rows(r, x);
   }
-
-  bool blocked() const { return blocked_; }  // the 16-row blocks (forward_blocks.h) run
 
  private:
   at::Tensor forward_rows(const Routing& r, const at::Tensor& x) const {
     const int64_t tokens = r.tokens, top_k = r.top_k, pairs = r.pairs;
     const int64_t ip = w2_.kp, blocks = (inter_ + kUnits - 1) / kUnits, cols = (hidden_ + kCols - 1) / kCols;
-    const bool bf16 = fmt_ == kBf16;
     at::Tensor out = moe_dispatch::new_output(x);
     Inputs xin, ain;
-    xin.init(r.sources(), w13_.kp, static_cast<Format>(fmt_));
-    ain.init(pairs, ip, static_cast<Format>(fmt_));
+    xin.init(r.sources(), w13_.kp);
+    ain.init(pairs, ip);
     std::vector<float> act(pairs * ip, 0.f);
     const float* b13 = b13_ ? b13_->const_data_ptr<float>() : nullptr;
     const float* b2 = b2_ ? b2_->const_data_ptr<float>() : nullptr;
     in_team([&](const Team& team) {
-      // bf16 vectors are filled by one thread (their remainder vector is allocated lazily).
-      auto fill_share = [&](int64_t n) {
-        return bf16 ? std::pair<int64_t, int64_t>{0, team.id == 0 ? n : 0} : team.share(n);
-      };
+      // The vectors are filled by one thread (their remainder vector is allocated lazily).
+      auto fill_share = [&](int64_t n) { return std::pair<int64_t, int64_t>{0, team.id == 0 ? n : 0}; };
       team.step([&] {  // 1. inputs: one per token, or one per pair (router weight on the input).
         each_input(r, x, hidden_, fill_share(r.sources()),
                    [&](int64_t s, const float* v) { xin.set(s, v, hidden_); });
@@ -143,7 +131,7 @@ class Experts {
               const int64_t rg = gate_row(act_, u), ru = up_row(act_, inter_, u);
               const float bg = b13 ? b13[e * 2 * inter_ + rg] : 0.f, bu = b13 ? b13[e * 2 * inter_ + ru] : 0.f;
               float o[2 * kTile];
-              rows_dots(fmt_, w13_, e, rg, ru, xin, idx, m, o);
+              rows_dots(w13_, e, rg, ru, xin, idx, m, o);
               for (int64_t q = 0; q < m; ++q) {
                 gate[(j + q) * kUnits + u - u0] = o[2 * q] + bg;
                 up[(j + q) * kUnits + u - u0] = o[2 * q + 1] + bu;
@@ -181,7 +169,7 @@ class Experts {
                 const int64_t h2 = h + half < h1 ? h + half : h;
                 const float bias0 = b2 ? b2[e * hidden_ + h] : 0.f, bias1 = b2 ? b2[e * hidden_ + h2] : 0.f;
                 float o[2 * kTile];
-                rows_dots(fmt_, w2_, e, h, h2, ain, r.order.data() + slot, m, o);
+                rows_dots(w2_, e, h, h2, ain, r.order.data() + slot, m, o);
                 for (int64_t q = 0; q < m; ++q) {
                   const int64_t p = r.order[slot + q];
                   const float scale = r.on_input ? 1.f : r.w[p];
@@ -200,10 +188,9 @@ class Experts {
   }
 
   int64_t fmt_, act_, experts_, hidden_, inter_;
-  Proj w13_, w2_;
+  Proj w13_, w2_;  // bf16 weights
   OptTensor b13_, b2_;
-  bool blocked_;
-  BlockLayer blocks_;
+  BlockLayer blocks_;  // int8 / int4 weights
 };
 
 // The layer's plain calls (BackendBase.fast_call): the toolkit's checks, then forward.
@@ -241,9 +228,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Experts, std::shared_ptr<Experts>>(m, "Experts")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, at::Tensor, OptTensor, OptTensor,
                     int64_t, at::Tensor, OptTensor, OptTensor, int64_t, int64_t, OptTensor,
-                    OptTensor, bool>())
-      .def("forward", &Experts::forward, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("blocked", &Experts::blocked);
+                    OptTensor>())
+      .def("forward", &Experts::forward, py::call_guard<py::gil_scoped_release>());
   py::class_<FastCall>(m, "FastCall")
       .def(py::init<std::shared_ptr<Experts>, bool, int64_t, int64_t, int64_t, at::ScalarType,
                     std::vector<at::Tensor>, std::vector<int64_t>>())

@@ -44,14 +44,12 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// One projection in the kernel's layout; raw pointers resolved once (a Tensor accessor per
+// One projection of bf16 weights in rows; raw pointers resolved once (a Tensor accessor per
 // row costs more than the row's arithmetic: measured 8 ms per C2 call with them).
 struct Proj {
-  at::Tensor q, scales;  // held for their storage
+  at::Tensor q;  // held for its storage
   const uint8_t* base = nullptr;
-  const float* s32 = nullptr;
-  const uint16_t* s16 = nullptr;
-  int64_t rows = 0, kp = 0, row_bytes = 0, groups = 1, bpg = 1;
+  int64_t rows = 0, kp = 0, row_bytes = 0;
   const uint8_t* row(int64_t e, int64_t r) const { return base + (e * rows + r) * row_bytes; }
 };
 
@@ -59,30 +57,6 @@ struct Proj {
 // swigluoai (interleaved) 2u and 2u + 1. Both schedules read the biases by them.
 inline int64_t gate_row(int64_t act, int64_t u) { return act == kSwigluOai ? 2 * u : u; }
 inline int64_t up_row(int64_t act, int64_t inter, int64_t u) { return act == kSwigluOai ? 2 * u + 1 : inter + u; }
-
-// v[lo, hi) on one symmetric int8 scale (max|v| / 127, rounded to nearest even): store(k, q)
-// for each value; returns the scale. A NaN or an infinity in the range: every q is 0 and the
-// scale NaN, so that the dot products with it are NaN, as the float math's are (std::max
-// would drop a NaN, and a NaN converted to an integer is undefined).
-template <class Store>
-inline float quantize_range(const float* v, int64_t lo, int64_t hi, Store store) {
-  float amax = 0.f;
-  bool finite = true;
-  for (int64_t k = lo; k < hi; ++k) {
-    const float a = std::fabs(v[k]);
-    if (!(a <= std::numeric_limits<float>::max())) finite = false;
-    else amax = std::max(amax, a);
-  }
-  if (!finite) {
-    for (int64_t k = lo; k < hi; ++k) store(k, 0);
-    return std::numeric_limits<float>::quiet_NaN();
-  }
-  // Below 127 / FLT_MAX (~3.7e-37) 127 / amax is infinite: such a group is taken as zeros
-  // (its products are that small anyway), as a finite scale of zero values.
-  const float inv = amax >= 127.f / std::numeric_limits<float>::max() ? 127.f / amax : 0.f;
-  for (int64_t k = lo; k < hi; ++k) store(k, static_cast<int32_t>(std::nearbyint(v[k] * inv)));
-  return amax / 127.f;
-}
 
 // A bf16-weight input element: with AVX512-BF16, bf16 bits in their natural order (vdpbf16ps
 // multiplies bf16 pairs into fp32 sums); on AVX2, fp32, interleaved per kLanes values (evens,
@@ -93,11 +67,9 @@ using BfInput = uint16_t;
 using BfInput = float;
 #endif
 
-// An input vector in the layout of the rows' dot product: BfInput (bf16 weights), or int8
-// blocks with their scales (int8 weights in the avx2 build).
+// Input vectors in the layout of the rows' dot product (bf16 weights).
 struct Inputs {
   int64_t kp = 0, n = 0;
-  bool quantized = false;
   std::vector<BfInput> f;     // [n, kp]
   // AVX512-BF16: each value's remainder v - bf16(v) in bf16, [n, kp], allocated at the first
   // value that is not exactly a bf16 (the activated intermediate; an input scaled by its
@@ -106,81 +78,46 @@ struct Inputs {
   // random Mixtral's first-step logprobs by 0.9 inside vLLM's engine (two layers amplify it);
   // bf16 x needs no remainder and gets none.
   std::vector<BfInput> lo;
-  std::vector<int8_t> q;      // [n, kp]
-  std::vector<float> d;       // [n, kp/32]
-  void init(int64_t n_, int64_t kp_, Format fmt) {
-    n = n_, kp = kp_, quantized = fmt != kBf16;
-    if (quantized) {
-      q.assign(n * kp, 0);
-      d.assign(n * (kp / kBlock), 0.f);
-    } else {
-      f.assign(n * kp, BfInput{0});
-      lo.clear();
-    }
+  void init(int64_t n_, int64_t kp_) {
+    n = n_, kp = kp_;
+    f.assign(n * kp, BfInput{0});
+    lo.clear();
   }
   // Vector i's remainder (null where there is none: AVX2, or every value a bf16).
   const BfInput* rest(int64_t i) const { return lo.empty() ? nullptr : lo.data() + i * kp; }
   // Fill vector i from len fp32 values (the rest of kp stays zero).
   void set(int64_t i, const float* v, int64_t len) {
-    if (!quantized) {
-      BfInput* out = f.data() + i * kp;
+    BfInput* out = f.data() + i * kp;
 #if MD_AVX512
-      for (int64_t k = 0; k < len; ++k) {  // v = hi + lo, each rounded to nearest even
-        const c10::BFloat16 hi(v[k]);
-        const float r = v[k] - static_cast<float>(hi);
-        out[k] = hi.x;
-        if (r == 0.f) continue;  // a zero remainder is the vector's zero fill
-        if (lo.empty()) lo.assign(n * kp, BfInput{0});
-        lo[i * kp + k] = c10::BFloat16(r).x;
-      }
+    for (int64_t k = 0; k < len; ++k) {  // v = hi + lo, each rounded to nearest even
+      const c10::BFloat16 hi(v[k]);
+      const float r = v[k] - static_cast<float>(hi);
+      out[k] = hi.x;
+      if (r == 0.f) continue;  // a zero remainder is the vector's zero fill
+      if (lo.empty()) lo.assign(n * kp, BfInput{0});
+      lo[i * kp + k] = c10::BFloat16(r).x;
+    }
 #else
-      for (int64_t k = 0; k < len; ++k) {  // within each kLanes block: evens, then odds
-        const int64_t base = k - k % kLanes, j = k % kLanes;
-        out[base + (j % 2) * (kLanes / 2) + j / 2] = v[k];
-      }
+    for (int64_t k = 0; k < len; ++k) {  // within each kLanes block: evens, then odds
+      const int64_t base = k - k % kLanes, j = k % kLanes;
+      out[base + (j % 2) * (kLanes / 2) + j / 2] = v[k];
+    }
 #endif
-      return;
-    }
-    const int64_t nb = kp / kBlock;
-    int8_t* out = q.data() + i * kp;
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t lo = b * kBlock;
-      d[i * nb + b] = quantize_range(v, lo, std::min(len, lo + kBlock),
-                                     [&](int64_t k, int32_t r) { out[k] = static_cast<int8_t>(r); });
-    }
   }
 };
 
 // One projection [experts, rows, Kp] in the kernel's layout (_pack.py's tensors, checked).
-inline Proj make_proj(int64_t fmt, int64_t experts, int64_t rows, at::Tensor q,
-                      std::optional<at::Tensor> scales, int64_t bpg) {
+inline Proj make_proj(int64_t experts, int64_t rows, at::Tensor q) {
   Proj p;
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(0) == experts && q.size(1) == rows,
               "weights [E, N, Kp] contiguous");
-  const int64_t width = q.size(2);
-  p.kp = fmt == kInt4 ? 2 * width : width;
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "bf16 weights in rows");
+  p.kp = q.size(2);
   TORCH_CHECK(p.kp % kBlock == 0, "the reduction axis is padded to a multiple of 32");
-  if (fmt == kBf16) {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "bf16 weights");
-  } else {
-    TORCH_CHECK(q.scalar_type() == (fmt == kInt8 ? at::kChar : at::kByte), "int weights");
-    TORCH_CHECK(scales.has_value() && scales->dim() == 3 && scales->is_contiguous() &&
-                scales->size(0) == experts && scales->size(1) == rows, "scales [E, N, G]");
-    p.scales = *scales;
-    p.groups = p.scales.size(2);
-    if (p.scales.scalar_type() == at::kHalf)
-      p.s16 = reinterpret_cast<const uint16_t*>(p.scales.const_data_ptr<at::Half>());
-    else if (p.scales.scalar_type() == at::kFloat)
-      p.s32 = p.scales.const_data_ptr<float>();
-    else
-      TORCH_CHECK(false, "scales fp16 or fp32");
-    TORCH_CHECK(bpg >= 1 && p.groups * bpg >= p.kp / kBlock, "blocks per group");
-  }
-  p.row_bytes = q.element_size() * width;
+  p.row_bytes = q.element_size() * p.kp;
   p.q = std::move(q);
   p.base = static_cast<const uint8_t*>(p.q.const_data_ptr());
   p.rows = rows;
-  p.bpg = bpg;
   return p;
 }
 
