@@ -1,9 +1,8 @@
 """The native kernel's builds side by side: the avx512 build and the avx2 build, with
 zentorch's op and vLLM's kernel as references. On bf16 weights (the default) the avx512
-build's vdpbf16ps against the avx2 build's widening and FMA; with ``--scheme int8`` the
-avx512 build's blocks of 16 rows (blocks_quant.h) against the avx2 build's rows
-(dots_quant.h), with ``--scheme int4g128`` (or ``int4g32``) both builds' blocks (vpdpbusd
-per 16 rows against maddubs per 8), and zentorch's quantized op forced past the copy limit.
+build's vdpbf16ps against the avx2 build's widening and FMA; with ``--scheme int8``,
+``int4g128`` or ``int4g32`` both builds' blocks of 16 rows (blocks_quant.h: vpdpbusd per 16
+rows against maddubs per 8), and zentorch's quantized op forced past the copy limit.
 
 Usage:
     .venv/bin/python benchmarks/bench_native_builds.py [--config C1 C2] [--tokens 1,2,4,8,16]

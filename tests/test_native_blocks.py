@@ -93,7 +93,7 @@ def test_a_tokens_result_does_not_depend_on_its_tile(build, scheme, tokens):
 
 @pytest.mark.parametrize("scheme", [INT4_G32, INT4_G128], ids=_ids)
 def test_the_largest_int4_values_and_inputs_do_not_overflow_the_sums(build, scheme):
-    """The avx2 build adds four steps of maddubs in int16 before widening them (blocks_quant.h):
+    """The avx2 build adds four steps of maddubs in int16 before widening them (blocks_avx2.h):
     at the largest nibble (15) times the largest input (127 in magnitude) a row's partial sum
     is +-30480, inside int16's range, where a longer run of steps would wrap. Weights at one
     level and inputs all equal: token 0 (x = 1, quantized to 127) meets expert 0's gate rows of

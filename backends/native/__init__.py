@@ -5,10 +5,9 @@ which the weights stream. This kernel fuses w13, the activation, w2 and the weig
 combine, splits every expert's rows between the cores, and runs bf16 weights (widened in
 registers) and int8 / int4 weights (integer dot products on activations quantized on the
 fly, in pairs of 16-row blocks: one ``vpdpbusd`` for 16 rows in the avx512 build, a
-``maddubs`` per 8 rows in the avx2 build; inputs per 32 values up to 16 tokens, x per 128
-values above; the avx2 build keeps int8 in rows, per block of 32 along each row, llama.cpp's
-design). docs/architecture.md, "The native decode kernel", has the layouts
-and the schedule.
+``maddubs`` per 8 rows in the avx2 build; inputs per 32 values up to 16 tokens, as
+llama.cpp's blocks, x per 128 values above). docs/architecture.md, "The native decode
+kernel", has the layouts and the schedule.
 
 With bf16 weights it serves decode: ``max_tokens`` keeps it to buckets of up to 16 tokens
 (a GEMV per token and expert loses to the bf16 GEMM kernels beyond that); larger calls
@@ -17,7 +16,7 @@ paths (torch's weight-only kernels, the dequantizing loop) were slower at T=128 
 well (C2 int8 T=128 on a Zen 3: 99 ms against 189 for torch_woq), so the default routing
 measures it at every bucket. Forced (``backend="native"``), it runs every T, correctly. Its
 state holds one copy of the weights in its layout (padded: K to 32 values, rows to pairs of
-16-row blocks for int4, and for int8 in the avx512 build): ``weight_copies`` declares 1.05 / 1.1, above what it
+16-row blocks for int8 and int4): ``weight_copies`` declares 1.05 / 1.1, above what it
 measures (C2: 1.02 / 1.05 of the quantized bytes).
 
 The kernel is built on first use for the ISA the machine has (``kernel``); without a

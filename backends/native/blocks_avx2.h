@@ -1,5 +1,5 @@
-// The avx2 build's blocks (blocks_quant.h; int4 only: int8 keeps its rows, dots_quant.h):
-// BlockInputs::set and the pair dot products, a maddubs per 8 rows.
+// The avx2 build's blocks (blocks_quant.h; int8 and int4): BlockInputs::set and the pair
+// dot products, a maddubs per 8 rows.
 
 #pragma once
 
@@ -37,8 +37,8 @@ inline void BlockInputs::set(int64_t i, const float* v, int64_t len) {
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, m);
     for (const float l : lanes) amax = std::max(amax, l);
-    // As quantize_range: a group below 127 / FLT_MAX is taken as zeros (127 / amax would
-    // be infinite, and converted, INT_MIN, which packs saturate to -128).
+    // A group below 127 / FLT_MAX is taken as zeros (127 / amax would be infinite, and
+    // converted, INT_MIN, which packs saturate to -128), as in the avx512 build.
     const float inv = amax >= 127.f / std::numeric_limits<float>::max() ? 127.f / amax : 0.f;
     const __m256 vinv = _mm256_set1_ps(inv);
     s[i * groups + g] = amax / 127.f;
@@ -72,16 +72,17 @@ inline void BlockInputs::set(int64_t i, const float* v, int64_t len) {
 // (unsigned, <= 15) by the input's signed values in pairs into int16 (<= 3810 in magnitude
 // per pair sum, 7620 with the low and high nibbles added), a chunk of four steps (32 values)
 // is summed in int16 (<= 30480) before madd widens it to int32, and each unit's sums are
-// scaled for 8 rows at once. Why blocks and not rows side by side, as int8 keeps them
-// (dots_quant.h): an int4 loop over rows scaled every pair of blocks of every row and ended
-// each row with horizontal sums and a zero-point tail, which bound it by its arithmetic on
-// AVX2 (architecture.md: 0.65-0.92x of its time at decode in blocks, on a Zen 3).
+// scaled for 8 rows at once. Why blocks and not a row's values side by side: an int4 loop
+// over rows scaled every pair of blocks of every row and ended each row with horizontal sums
+// and a zero-point tail, which bound it by its arithmetic on AVX2 (architecture.md:
+// 0.65-0.92x of its time at decode in blocks, on a Zen 3).
 //
-// Units (32 values at decode) are short, so what runs once per unit counts: the chunk's
-// four steps are unrolled, the unit's groups counted with shifts (both are powers of two
-// when they are not the whole row), and the zero points a template argument (measured on a
-// Zen 3 with the weights in L3, C2 T=1: the per-unit work was 44% of this function's time
-// when each unit divided twice and tested for zero points).
+// Units (32 values at decode) are short, so what runs once per unit counts: the chunks have
+// a constant trip count of four steps (a loop, not unrolled: see below), the unit's groups
+// are counted with shifts (both are powers of two when they are not the whole row), and the
+// zero points are a template argument (measured on a Zen 3 with the weights in L3, C2 T=1:
+// the per-unit work was 44% of this function's time when each unit divided twice and tested
+// for zero points).
 template <int N, bool kZeros>
 void int4_block_dots_avx2(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in,
                           const int64_t* idx, int64_t n, int64_t q0, float* o) {

@@ -30,7 +30,7 @@ inline void BlockInputs::set(int64_t i, const float* v, int64_t len) {
       continue;
     }
     const float amax = _mm512_reduce_max_ps(m);
-    // Below 127 / FLT_MAX, 127 / amax is infinite: the group is taken as zeros (quantize_range).
+    // Below 127 / FLT_MAX, 127 / amax is infinite: the group is taken as zeros (as in the avx2 build).
     const __m512 inv = _mm512_set1_ps(amax >= 127.f / std::numeric_limits<float>::max() ? 127.f / amax : 0.f);
     s[i * groups + g] = amax / 127.f;
     for (int64_t u0 = lo; u0 < hi; u0 += unit) {  // units nest in groups (unit_for)

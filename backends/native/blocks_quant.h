@@ -1,11 +1,10 @@
-// int8 / int4 weights in the avx512 build, and int4 weights in the avx2 build: blocks of 16
-// rows (_pack.py's pack_blocked), so that one 64-byte load holds 4 values of each of 16 rows
-// and one vpdpbusd multiplies them by 4 values of one input broadcast to every lane: each
+// int8 / int4 weights, in both builds: blocks of 16 rows (_pack.py's pack_blocked), so that
+// one 64-byte load holds 4 values of each of 16 rows and one vpdpbusd multiplies them by 4 values of one input broadcast to every lane: each
 // int32 lane is one row's dot product, and a block's 16 sums come out as one vector. The avx2
 // build reads the same bytes as two halves of 8 rows. This header holds what both builds
 // share; blocks_avx512.h and blocks_avx2.h the quantizer of the inputs and the dot products.
 //
-// Why this layout and not a row's values side by side (dots_quant.h, the avx2 build): with
+// Why this layout and not a row's values side by side (as bf16 weights run, dots_bf16.h): with
 // rows side by side each lane holds part of one (row, input) dot product, so every sum that
 // must be scaled in fp32 (per block of inputs' values, and per weight group) costs a convert
 // and an FMA per vpdpbusd or two, on the pipes vpdpbusd needs (measured on one Zen 4 core:
@@ -21,7 +20,8 @@
 // values with one fp32 scale (amax / 127). So each unit's int32 sum carries
 // off x sum(inputs) (off: 128, or int4's constant offset) or zero x sum(inputs) with zero
 // points: the inputs' sums per unit (BlockInputs.sum) start each sum, negated, and the
-// result is the exact integer dot product of the signed weights and the inputs.
+// result is the exact integer dot product of the signed weights and the inputs. (The avx2
+// build's int8 makes the weights signed instead and needs no offset: blocks_avx2.h.)
 
 #pragma once
 
@@ -118,8 +118,8 @@ struct BlockInputs {
     s.assign(n * groups, 0.f);
     sum.assign(n * units, 0);
   }
-  // Fill vector i from len fp32 values (the rest of kp stays zero): quantize_range's values
-  // (amax / 127, round to nearest even), vectorised per ISA (blocks_avx512.h, blocks_avx2.h:
+  // Fill vector i from len fp32 values (the rest of kp stays zero): per group a symmetric
+  // scale (amax / 127, round to nearest even), vectorised per ISA (blocks_avx512.h, blocks_avx2.h:
   // scalar, this was a quarter of C1's time at T=512).
   void set(int64_t i, const float* v, int64_t len);
 };

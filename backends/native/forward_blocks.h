@@ -1,9 +1,8 @@
-// The schedule for weights in blocks of 16 rows (blocks_quant.h: int8 / int4 in the avx512
-// build, int4 in the avx2 build):
+// The schedule for weights in blocks of 16 rows (blocks_quant.h: int8 / int4, both builds):
 // kernel.cpp's four steps, with every dot product a block's 16 rows by up to kTile inputs.
 //   1. inputs quantized per kNarrowGroup values up to kNarrowTokens tokens (decode: bound by
-//      the weights' bytes, so the finer scales cost nothing and keep the error of the avx2
-//      build's blocks of 32), per kWideGroup above (one scaled sum per 128 values, where
+//      the weights' bytes, so the finer scales cost nothing and keep the error of
+//      llama.cpp's blocks of 32), per kWideGroup above (one scaled sum per 128 values, where
 //      the GEMM's arithmetic is what counts);
 //   2. w13 and the activation: work items (active expert, 16 units) read w13's blocks 2j
 //      (gate rows) and 2j + 1 (up rows) once from memory and, from L2, once per tile of the
