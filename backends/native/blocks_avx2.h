@@ -66,6 +66,33 @@ inline void BlockInputs::set(int64_t i, const float* v, int64_t len) {
   }
 }
 
+// The pair dot products below (int4, int8) end the same way. scale_unit: f[i][j] += one unit's
+// int32 sums a[i][j] x input j's scale of the unit (its group ag) x the rows' scales of weight
+// group g (1 with a scale per row, which store_pair applies once).
+template <int N>
+__attribute__((always_inline)) inline void scale_unit(const BlockProj& p, int64_t e, int64_t b0, int64_t g,
+                                                      const float* const* xs, int64_t ag,
+                                                      const __m256i (&a)[4][N], __m256 (&f)[4][N]) {
+  const bool per_row = p.group >= p.kp;
+  for (int i = 0; i < 4; ++i) {  // (block r, half h) = (i / 2, i % 2)
+    const __m256 ws = per_row ? _mm256_set1_ps(1.f) : p.scale8(e, b0 + i / 2, g, i % 2);
+    for (int j = 0; j < N; ++j)
+      f[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[i][j]), _mm256_mul_ps(ws, _mm256_set1_ps(xs[j][ag])), f[i][j]);
+  }
+}
+
+// o[(r * n + q0 + j) * 16 + lane] = f x the rows' scale where it is one per row.
+template <int N>
+__attribute__((always_inline)) inline void store_pair(const BlockProj& p, int64_t e, int64_t b0,
+                                                      const __m256 (&f)[4][N], int64_t n, int64_t q0, float* o) {
+  const bool per_row = p.group >= p.kp;
+  for (int i = 0; i < 4; ++i) {
+    const __m256 rs = per_row ? p.scale8(e, b0 + i / 2, 0, i % 2) : _mm256_set1_ps(1.f);
+    for (int j = 0; j < N; ++j)
+      _mm256_storeu_ps(o + ((i / 2) * n + q0 + j) * kRows + (i % 2) * 8, _mm256_mul_ps(f[i][j], rs));
+  }
+}
+
 // Inputs q0 .. q0 + N - 1 of the n dotted with the pair of int4 blocks b0, b0 + 1, into
 // o[(r * n + q) * 16 + lane]. A block's 64 bytes per step of 8 values are two halves of 8
 // rows (one int32 lane per row, as in the avx512 build): maddubs multiplies the nibbles
@@ -142,18 +169,9 @@ void int4_block_dots_avx2(const BlockProj& p, int64_t e, int64_t b0, const Block
       for (int i = 0; i < kHalves; ++i)
         for (int j = 0; j < N; ++j) a[i][j] = _mm256_add_epi32(a[i][j], _mm256_madd_epi16(s16[i][j], ones));
     }
-    const int64_t ag = k0 >> xshift;
-    for (int i = 0; i < kHalves; ++i) {
-      const __m256 ws = per_row ? _mm256_set1_ps(1.f) : p.scale8(e, b0 + i / 2, g, i % 2);
-      for (int j = 0; j < N; ++j)
-        f[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[i][j]), _mm256_mul_ps(ws, _mm256_set1_ps(xs[j][ag])), f[i][j]);
-    }
+    scale_unit<N>(p, e, b0, g, xs, k0 >> xshift, a, f);
   }
-  for (int i = 0; i < kHalves; ++i) {
-    const __m256 rs = per_row ? p.scale8(e, b0 + i / 2, 0, i % 2) : _mm256_set1_ps(1.f);
-    for (int j = 0; j < N; ++j)
-      _mm256_storeu_ps(o + ((i / 2) * n + q0 + j) * kRows + (i % 2) * 8, _mm256_mul_ps(f[i][j], rs));
-  }
+  store_pair<N>(p, e, b0, f, n, q0, o);
 }
 
 // int8: the same pairs of blocks, a step of 4 values per 64 bytes (16 rows x 4, stored
@@ -198,18 +216,9 @@ void int8_block_dots_avx2(const BlockProj& p, int64_t e, int64_t b0, const Block
           a[i][j] = _mm256_add_epi32(a[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(xb[j], v)), ones));
       }
     }
-    const int64_t g = per_row ? 0 : k0 >> wshift, ag = k0 >> xshift;
-    for (int i = 0; i < kHalves; ++i) {
-      const __m256 ws = per_row ? _mm256_set1_ps(1.f) : p.scale8(e, b0 + i / 2, g, i % 2);
-      for (int j = 0; j < N; ++j)
-        f[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[i][j]), _mm256_mul_ps(ws, _mm256_set1_ps(xs[j][ag])), f[i][j]);
-    }
+    scale_unit<N>(p, e, b0, per_row ? 0 : k0 >> wshift, xs, k0 >> xshift, a, f);
   }
-  for (int i = 0; i < kHalves; ++i) {
-    const __m256 rs = per_row ? p.scale8(e, b0 + i / 2, 0, i % 2) : _mm256_set1_ps(1.f);
-    for (int j = 0; j < N; ++j)
-      _mm256_storeu_ps(o + ((i / 2) * n + q0 + j) * kRows + (i % 2) * 8, _mm256_mul_ps(f[i][j], rs));
-  }
+  store_pair<N>(p, e, b0, f, n, q0, o);
 }
 
 template <bool kZeros>
