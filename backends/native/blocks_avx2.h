@@ -221,24 +221,25 @@ void int8_block_dots_avx2(const BlockProj& p, int64_t e, int64_t b0, const Block
   store_pair<N>(p, e, b0, f, n, q0, o);
 }
 
-template <bool kZeros>
-inline void pair_dots_int4(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in,
-                           const int64_t* idx, int64_t n, float* o) {
+// One of the pair dot products above, for inputs q0 .. q0 + N - 1 (N = 1 or 2).
+using PairDots = void (*)(const BlockProj&, int64_t, int64_t, const BlockInputs&, const int64_t*,
+                          int64_t, int64_t, float*);
+
+// The n inputs two at a time (each weight vector loaded once for both), an odd last one alone.
+template <PairDots kTwo, PairDots kOne>
+inline void in_twos(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in,
+                    const int64_t* idx, int64_t n, float* o) {
   for (int64_t q = 0; q < n; q += 2) {
-    if (q + 1 < n) int4_block_dots_avx2<2, kZeros>(p, e, b0, in, idx + q, n, q, o);
-    else int4_block_dots_avx2<1, kZeros>(p, e, b0, in, idx + q, n, q, o);
+    if (q + 1 < n) kTwo(p, e, b0, in, idx + q, n, q, o);
+    else kOne(p, e, b0, in, idx + q, n, q, o);
   }
 }
 
 inline void pair_dots(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in,
                       const int64_t* idx, int64_t n, float* o) {
-  if (!p.int4) {
-    for (int64_t q = 0; q < n; q += 2) {
-      if (q + 1 < n) int8_block_dots_avx2<2>(p, e, b0, in, idx + q, n, q, o);
-      else int8_block_dots_avx2<1>(p, e, b0, in, idx + q, n, q, o);
-    }
-  } else if (p.z) pair_dots_int4<true>(p, e, b0, in, idx, n, o);
-  else pair_dots_int4<false>(p, e, b0, in, idx, n, o);
+  if (!p.int4) in_twos<int8_block_dots_avx2<2>, int8_block_dots_avx2<1>>(p, e, b0, in, idx, n, o);
+  else if (p.z) in_twos<int4_block_dots_avx2<2, true>, int4_block_dots_avx2<1, true>>(p, e, b0, in, idx, n, o);
+  else in_twos<int4_block_dots_avx2<2, false>, int4_block_dots_avx2<1, false>>(p, e, b0, in, idx, n, o);
 }
 
 }  // namespace moe_dispatch_native
