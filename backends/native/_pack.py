@@ -11,8 +11,8 @@ of 8 rows, ``maddubs`` then ``madd``); int4 values (u, 0..15) pair two steps in 
 bytes, the first in the low nibbles. int8 values are stored + 128 (``vpdpbusd``'s unsigned
 operand; the avx2 build flips them back to signed). Blocks go in pairs (2p, 2p + 1),
 interleaved step by step (block 2p's 64 bytes, then block 2p + 1's), so that the kernel,
-which reads a pair at once, reads one stream: two streams 32 KB apart made C2 decode 10-20% slower on a Zen 4. Scales and zero points are
-``[E, blocks, G, 16]``. w13's blocks alternate gate and up rows of 16 intermediate units
+which reads a pair at once, reads one stream: two streams 32 KB apart made C2 decode 10-20%
+slower on a Zen 4. Scales and zero points are ``[E, blocks, G, 16]``. w13's blocks alternate gate and up rows of 16 intermediate units
 (block 2j: gate rows of units 16j..16j+15, block 2j + 1: their up rows), whatever the
 canonical row order of the activation; rows past the end (to whole pairs of blocks) are
 zero padding.
