@@ -120,7 +120,10 @@ class BackendBase:
         runs its Python path (checks, precise errors, then ``apply``). ``f`` must decline
         every call that is not exactly: three ``torch.Tensor`` (not subclasses), dense,
         on the CPU; ``hidden_states`` 2-D ``[T, H]`` with T > 0 and the config's dtype;
-        the other two ``[T, top_k]``; every id in ``[0, num_experts)``; ``guard``'s
+        the other two ``[T, top_k]`` (the toolkit's check admits int32 and int64 ids and
+        float32, bfloat16, float16 and float64 router weights, and gives the kernel int32
+        and float32 converted as the Python path's ``.to()`` would, int64 ids only after
+        their range check); every id in ``[0, num_experts)``; ``guard``'s
         versions unchanged; every call while ``torch.jit.trace`` is tracing
         (``torch._C._get_tracing_state()``); and every call autograd would record (grad
         mode on, and ``hidden_states``, ``topk_weights`` or a guarded tensor requires

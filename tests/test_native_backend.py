@@ -279,7 +279,15 @@ def test_the_entry_is_a_cpython_function_that_owns_its_kernel(build):
         entry(x, tw)
     with pytest.raises(TypeError, match="keyword"):
         entry(x, tw, topk_ids=ids)
-    assert entry(x, tw, ids.long()) is None and entry(x.float(), tw, ids) is None
+    assert entry(x.float(), tw, ids) is None
+    # int64 ids and bf16 / float64 router weights: converted in the entry as the Python path
+    # converts them (ids after their range check: 2**32 + 1 would be 1 as int32).
+    assert torch.equal(entry(x, tw, ids.long()), expected)
+    assert torch.equal(entry(x, tw.double(), ids.long()), expected)
+    assert torch.equal(entry(x, tw.bfloat16(), ids), entry(x, tw.bfloat16().float(), ids))
+    past = ids.long()
+    past[1, 0] += 2**32
+    assert entry(x, tw, past) is None
     del layer
     gc.collect()
     assert torch.equal(entry(x, tw, ids), expected)

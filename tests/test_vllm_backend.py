@@ -196,7 +196,11 @@ def test_the_entry_declines_what_is_not_plain():
         bad_ids = ids.clone()
         bad_ids[1, 0] = bad
         assert entry(x, tw, bad_ids) is None
-    assert entry(x, tw, ids.long()) is None and entry(x, tw.double(), ids) is None
+    past = ids.long()  # 1 + 2**32 is 1 once narrowed to int32: declined before that
+    past[1, 0] += 2**32
+    assert entry(x, tw, past) is None
+    # int64 ids and other float router weights: taken, as the Python path converts them
+    assert torch.equal(entry(x, tw.double(), ids.long()), entry(x, tw, ids))
     assert entry(x[:0], tw[:0], ids[:0]) is None
     w["w13"].add_(0.0)  # an in-place update after prepare(): the layer's version check
     assert entry(x, tw, ids) is None
@@ -217,7 +221,8 @@ def test_the_entry_takes_only_plain_calls(data):
     layer.prepare()
     variant, args = data.draw(call_variants(cfg))
     out = layer.plan.native(*args)
-    if variant not in ("plain", "repeated_id", "strided_ids", "strided_weights", "strided_hidden"):
+    if variant not in ("plain", "repeated_id", "strided_ids", "strided_weights", "strided_hidden",
+                       "int64_ids", "bf16_weights", "float64_weights"):
         assert out is None, variant
     if out is not None:
         x, tw, ids = args

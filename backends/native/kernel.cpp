@@ -208,7 +208,7 @@ class FastCall {
     at::Tensor out;
     {
       py::gil_scoped_release no_gil;
-      out = experts_->forward(*call->x, *call->topk_weights, *call->topk_ids, on_input_);
+      out = experts_->forward(*call->x, call->topk_weights, call->topk_ids, on_input_);
     }
     return moe_dispatch::wrap(std::move(out));
   }

@@ -101,7 +101,7 @@ class VllmBackend(md.BackendBase):
         return out
 
     def fast_call(self, state: VllmState, guard: md.FastGuard) -> Any:
-        """The C++ entry for plain calls (int32 ids in range, float32 weights, contiguous),
+        """The C++ entry for plain calls (int32 / int64 ids in range, float weights, contiguous),
         or None without the native module or when the router weight goes on the input (the
         kernel may only see a private copy of the weights then)."""
         module = native.load()

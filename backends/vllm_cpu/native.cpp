@@ -70,7 +70,7 @@ class FastCall {
     if (!call) return py::none();
     // A fresh output every call: the kernel is wrong on a strided one (measured).
     at::Tensor out = moe_dispatch::new_output(*call->x);
-    run_op(out, *call->x, w13_, w2_, b13_, b2_, *call->topk_weights, *call->topk_ids, false,
+    run_op(out, *call->x, w13_, w2_, b13_, b2_, call->topk_weights, call->topk_ids, false,
            act_, isa_);
     return moe_dispatch::wrap(std::move(out));
   }

@@ -109,7 +109,7 @@ class ZentorchBackend(md.BackendBase):
         return run_op(state, hidden_states, topk_weights, topk_ids)
 
     def fast_call(self, state: ZentorchState, guard: md.FastGuard) -> Any:
-        """The C++ entry for plain calls (int32 ids, float32 weights, contiguous, no id
+        """The C++ entry for plain calls (int32 / int64 ids, float weights, contiguous, no id
         repeated in a row), or None without the native module or for a config whose calls
         need rewriting (top_k == 1, router weight on input)."""
         module = native.load()

@@ -95,7 +95,7 @@ class FastCall {
     const std::optional<PlainCall> call = PlainCall::check(spec_, x, tw, ids);
     if (!call) return py::none();
     at::Tensor out = moe_dispatch::new_output(*call->x);
-    call_op_locked(out, *call->x, w13_, w2_, b13_, b2_, *call->topk_weights, *call->topk_ids,
+    call_op_locked(out, *call->x, w13_, w2_, b13_, b2_, call->topk_weights, call->topk_ids,
                    false, act_, s13_, s2_, threads_);
     return moe_dispatch::wrap(std::move(out));
   }

@@ -18,11 +18,13 @@ from .._matrix import canonical_ops
 # How a forward call can differ from the plain case a native entry takes (fast_call).
 CALL_VARIANTS = ("plain", "int64_ids", "bf16_weights", "float64_weights", "strided_hidden",
                  "strided_ids", "strided_weights", "repeated_id", "id_too_large", "negative_id",
-                 "no_tokens", "parameter_input", "grad_hidden", "grad_router_weights")
+                 "id_past_int32", "no_tokens", "parameter_input", "grad_hidden",
+                 "grad_router_weights")
 # The variants that break BackendBase.fast_call's contract: every entry must decline them
 # (the grad_ ones: autograd would record the call, and grad mode is on where they are drawn).
-MUST_DECLINE = ("id_too_large", "negative_id", "no_tokens", "parameter_input", "grad_hidden",
-                "grad_router_weights")
+# id_past_int32: an int64 id of 2**32 plus a valid one, valid once narrowed to int32.
+MUST_DECLINE = ("id_too_large", "negative_id", "id_past_int32", "no_tokens", "parameter_input",
+                "grad_hidden", "grad_router_weights")
 
 
 @st.composite
@@ -55,6 +57,9 @@ def call_variants(draw: st.DrawFn, config: md.MoEConfig, max_tokens: int = 12
         ids[row, 0] = config.num_experts
     elif variant == "negative_id":
         ids[row, 0] = -1
+    elif variant == "id_past_int32":
+        ids = ids.long()
+        ids[row, 0] += 2**32
     elif variant == "parameter_input":
         x = torch.nn.Parameter(x, requires_grad=False)
     elif variant == "grad_hidden":

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 // Hidden: each extension compiles its own copy of this header, and a default-visibility
@@ -92,18 +93,25 @@ struct PlainSpec {
   }
 };
 
-// The call's tensors when it is plain: x [T, H] of the layer's dtype, T > 0; float32 router
-// weights and int32 ids [T, top_k]; every id in [0, E) (and none repeated in a row when the
-// spec asks); the canonical weights unchanged; no torch.jit.trace running (it records
-// torch ops, and would record the kernel's output as a constant); and nothing autograd
-// would record (grad mode on while x, the router weights or a canonical weight requires
-// grad). The layer leaves the last two checks to its entries: here thread-local reads,
-// where the tracing check's Python form, torch._C._get_tracing_state(), costs 10 us per
-// cold call.
+// The call's tensors when it is plain: x [T, H] of the layer's dtype, T > 0; router
+// weights [T, top_k] of a float dtype and ids [T, top_k] int32 or int64, given to the
+// kernel as float32 and int32 (the ids' and weights' own tensors when they are, else
+// converted here, value by value, as the backends' Python paths convert them with .to():
+// int64 ids only after their range check, so 2**32 + 1 is out of range, never 1; a float64
+// weight rounded to nearest); every id in [0, E) (and none repeated in a row when the spec
+// asks); the canonical weights unchanged; no torch.jit.trace running (it records torch ops,
+// and would record the kernel's output as a constant); and nothing autograd would record
+// (grad mode on while x, the router weights or a canonical weight requires grad). The layer
+// leaves the last two checks to its entries: here thread-local reads, where the tracing
+// check's Python form, torch._C._get_tracing_state(), costs 10 us per cold call.
+// Why convert here: torch.topk gives int64 ids and HF passes router weights in the model's
+// dtype; declined, such a call took the Python path, 1.08-1.29x of the time of an int32 /
+// float32 call at T=1 (E=64 top-8 H=2048 and E=8 top-2 H=1024 bf16, cold, Zen 3), and a
+// .to() in the caller costs a torch op that runs cold (tens of us).
 struct PlainCall {
   const at::Tensor* x;
-  const at::Tensor* topk_weights;
-  const at::Tensor* topk_ids;
+  at::Tensor topk_weights;  // float32 [T, top_k]
+  at::Tensor topk_ids;      // int32 [T, top_k]
   int64_t tokens;
 
   static std::optional<PlainCall> check(const PlainSpec& s, py::handle x, py::handle tw,
@@ -112,16 +120,37 @@ struct PlainCall {
       return std::nullopt;
     const at::Tensor& xt = THPVariable_Unpack(x.ptr());
     const int64_t tokens = xt.size(0);
-    if (tokens == 0 || !plain_input(tw.ptr(), at::kFloat, tokens, s.top_k) ||
-        !plain_input(ids.ptr(), at::kInt, tokens, s.top_k) || !s.weights_unchanged())
+    if (tokens == 0 || !router_weights(tw.ptr(), tokens, s.top_k) ||
+        !(plain_input(ids.ptr(), at::kInt, tokens, s.top_k) ||
+          plain_input(ids.ptr(), at::kLong, tokens, s.top_k)) ||
+        !s.weights_unchanged())
       return std::nullopt;
+    const at::Tensor& wt = THPVariable_Unpack(tw.ptr());
     // A call autograd would record: the layer's Python path gives it exact gradients or a
     // backward that raises (moe_dispatch/_autograd.py). Under no_grad one thread-local read.
-    if (at::GradMode::is_enabled() &&
-        (xt.requires_grad() || THPVariable_Unpack(tw.ptr()).requires_grad() || s.weights_want_grad()))
+    if (at::GradMode::is_enabled() && (xt.requires_grad() || wt.requires_grad() || s.weights_want_grad()))
       return std::nullopt;
     const at::Tensor& it = THPVariable_Unpack(ids.ptr());
-    const int32_t* row = it.const_data_ptr<int32_t>();
+    std::optional<at::Tensor> ids32 = it.scalar_type() == at::kInt
+        ? checked_ids<int32_t>(s, it, tokens) : checked_ids<int64_t>(s, it, tokens);
+    if (!ids32) return std::nullopt;
+    return PlainCall{&xt, as_float32(wt), std::move(*ids32), tokens};
+  }
+
+ private:
+  // Router weights: as plain_input asks, of a floating dtype (the layer's Python path takes
+  // float32, bfloat16, float16 and float64 and converts them to float32).
+  static bool router_weights(PyObject* obj, int64_t rows, int64_t cols) {
+    for (const at::ScalarType t : {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble})
+      if (plain_input(obj, t, rows, cols)) return true;
+    return false;
+  }
+
+  // The ids as int32 when every one is in [0, E) (and none is repeated in a row where the
+  // spec asks); int32 ids are passed as they are.
+  template <class Id>
+  static std::optional<at::Tensor> checked_ids(const PlainSpec& s, const at::Tensor& it, int64_t tokens) {
+    const Id* row = it.const_data_ptr<Id>();
     for (int64_t r = 0; r < tokens; ++r, row += s.top_k) {
       for (int64_t a = 0; a < s.top_k; ++a) {
         if (row[a] < 0 || row[a] >= s.experts) return std::nullopt;
@@ -130,7 +159,39 @@ struct PlainCall {
             if (row[a] == row[b]) return std::nullopt;
       }
     }
-    return PlainCall{&xt, &THPVariable_Unpack(tw.ptr()), &it, tokens};
+    if constexpr (std::is_same_v<Id, int32_t>) {
+      return it;
+    } else {
+      at::Tensor out = at::detail::empty_cpu(it.sizes(), at::kInt, /*pin_memory=*/false, std::nullopt);
+      const Id* in = it.const_data_ptr<Id>();
+      int32_t* o = out.mutable_data_ptr<int32_t>();
+      for (int64_t i = 0; i < tokens * s.top_k; ++i) o[i] = static_cast<int32_t>(in[i]);
+      return out;
+    }
+  }
+
+  static at::Tensor as_float32(const at::Tensor& w) {
+    if (w.scalar_type() == at::kFloat) return w;
+    at::Tensor out = at::detail::empty_cpu(w.sizes(), at::kFloat, /*pin_memory=*/false, std::nullopt);
+    float* o = out.mutable_data_ptr<float>();
+    const int64_t n = w.numel();
+    switch (w.scalar_type()) {
+      case at::kBFloat16: {
+        const at::BFloat16* in = w.const_data_ptr<at::BFloat16>();
+        for (int64_t i = 0; i < n; ++i) o[i] = static_cast<float>(in[i]);
+        break;
+      }
+      case at::kHalf: {
+        const at::Half* in = w.const_data_ptr<at::Half>();
+        for (int64_t i = 0; i < n; ++i) o[i] = static_cast<float>(in[i]);
+        break;
+      }
+      default: {  // float64 (router_weights admits no other)
+        const double* in = w.const_data_ptr<double>();
+        for (int64_t i = 0; i < n; ++i) o[i] = static_cast<float>(in[i]);
+      }
+    }
+    return out;
   }
 };
 
