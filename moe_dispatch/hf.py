@@ -94,16 +94,17 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
                     top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ExpertsInterface function: ``[T, H]`` tokens, ``[T, K]`` ids and weights."""
     layer = layer_for(module, top_k_index.shape[1])
-    tw, ids = top_k_weights.to(torch.float32), top_k_index.to(torch.int32)
     # The layer reads detached views of the parameters: their gradients would be silently
     # missing, whatever the backend, so such a call runs without autograd and its backward
     # raises (moe_dispatch/_autograd.py).
     params = [p for p in module._parameters.values() if p is not None and p.requires_grad] \
         if grad_enabled() else ()
+    # The ids and weights as HF gives them (int64, the model's dtype): the layer's native
+    # entry takes them so, where a .to() here would be a torch op running cold per call.
     if not params:
-        return layer(hidden_states, tw, ids)
+        return layer(hidden_states, top_k_weights, top_k_index)
     with torch.no_grad():
-        out = layer(hidden_states, tw, ids)
+        out = layer(hidden_states, top_k_weights, top_k_index)
     return forward_only(out, "moe-dispatch's transformers experts function", hidden_states,
                         top_k_weights, params,
                         why="it reads the experts' parameters as detached views",
