@@ -13,7 +13,9 @@ benchmarks/bench_native.py does), shuffled rounds, medians:
    format (bf16, int8 per channel, int4 g128); a straight line through (active bytes, ms)
    per format: its intercept is the fixed cost, its slope the streaming rate;
 2. on a layer too small to stream (E=8 top-2 H=I=128, int8), the call path step by step: the
-   layer as an engine calls it, ``layer.run``, the native entry alone; two controls (a
+   layer as an engine calls it (int32 ids and float32 weights; int64 ids and bf16 weights,
+   which the native entry converts; the same converted by ``.to()`` in the caller first),
+   ``layer.run``, the native entry alone; two controls (a
    Python function that returns None, and ``torch.empty_like``); and three checks alone,
    each in a Python function like the no-op: torch's is_compiling(), the cheaper form
    MoELayer.__call__ reads, and the tracing check the layer leaves to its entries.
@@ -73,7 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     layer, _ = _layer(128, 128, FORMATS["int8"])
     entry = layer.plan.native
     flag = torch.compiler.is_dynamo_compiling
-    steps = {"layer(x, tw, ids)": layer, "layer.run": layer.run, "native entry": entry,
+    tiny = random_inputs(layer.config, 1, pool=8, seed=2)
+    # The routing as torch.topk and HF give it (int64 ids, bf16 weights), looked up by the
+    # round's ids in both rows that use it: passed as it is (the entry converts it), and
+    # converted first in Python, as moe_dispatch.hf did before the entry took it.
+    given = {id(ids): (tw.bfloat16(), ids.long()) for _, tw, ids in tiny}
+    f32, i32 = torch.float32, torch.int32
+    steps = {"layer(x, tw, ids)": layer,
+             "layer, int64 ids and bf16 weights as given": lambda x, tw, ids: layer(x, *given[id(ids)]),
+             "layer, int64 ids and bf16 weights, .to() each first":
+                 lambda x, tw, ids: layer(x, *(t.to(d) for t, d in zip(given[id(ids)], (f32, i32)))),
+             "layer.run": layer.run, "native entry": entry,
              "control: Python no-op": lambda x, tw, ids: None,
              "control: torch.empty_like": lambda x, tw, ids: torch.empty_like(x),
              "check: torch.compiler.is_compiling()": lambda x, tw, ids: torch.compiler.is_compiling(),
@@ -81,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
                  lambda x, tw, ids: flag() or torch.compiler._is_compiling_flag,
              "check: torch._C._get_tracing_state() (left to the entries)":
                  lambda x, tw, ids: torch._C._get_tracing_state()}
-    tiny = random_inputs(layer.config, 1, pool=8, seed=2)
     med = {n: statistics.median(v) for n, v in
            time_rounds(steps, tiny, 5 * args.reps, between=flush).items()}
     print(f"\nE=8 top-2 H=I=128 int8, T=1, cold: the call path\n\n| path | us (median) |\n| --- | ---: |")
