@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = {"layer(x, tw, ids)": layer,
              "layer, int64 ids and bf16 weights as given": lambda x, tw, ids: layer(x, *given[id(ids)]),
              "layer, int64 ids and bf16 weights, .to() each first":
-                 lambda x, tw, ids: layer(x, *(t.to(d) for t, d in zip(given[id(ids)], (f32, i32)))),
+                 lambda x, tw, ids: layer(x, given[id(ids)][0].to(f32), given[id(ids)][1].to(i32)),
              "layer.run": layer.run, "native entry": entry,
              "control: Python no-op": lambda x, tw, ids: None,
              "control: torch.empty_like": lambda x, tw, ids: torch.empty_like(x),

@@ -426,8 +426,10 @@ def test_activations_hold_where_exp_saturates(build, scheme, activation):
     oai = activation is md.Activation.SWIGLUOAI
     top, k = (25.0, 1.702) if oai else (50.0, 1.0)
     x = (x.float() * torch.tensor([[1.0], [10.0], [top / 2], [top]])).to(cfg.dtype)
-    gates = k * torch.einsum("th,euh->teu", x.double(), ref_w["w13"].double())
-    assert gates.min() < -100 and gates.max() > 100  # e^-kg and e^kg past float's range
+    rows = k * torch.einsum("th,euh->teu", x.double(), ref_w["w13"].double())
+    i = cfg.intermediate_size  # gate rows first or interleaved: every split reaches both sides
+    for gates in (rows[..., :i], rows[..., i:], rows[..., 0::2], rows[..., 1::2]):
+        assert gates.min() < -100 and gates.max() > 100  # e^-kg and e^kg past float's range
     want = moe_reference(cfg, x, ref_w["w13"], ref_w["w2"], tw, ids)
     bound = TOLERANCE[torch.bfloat16] if scheme is None else ERROR_BOUND
     for t in range(4):  # each token on its own: the largest would hide the others' errors

@@ -1,7 +1,7 @@
 // The zentorch backend's native decode path (built by native.py at first use): the plain
 // call's checks in C++ (the toolkit header says why and what "plain" is) and the op called
-// through the dispatcher; the layer's Python path handles the rest (int64 ids, an id
-// repeated in a row, ...).
+// through the dispatcher; the layer's Python path handles the rest (an id repeated in a
+// row, top_k == 1, ...).
 //
 // run_op is the one place that calls the op once this module is loaded (the Python paths
 // call it too): the op is not thread-safe, and one mutex must guard every call.

@@ -16,7 +16,7 @@ from .._matrix import canonical_ops
 
 
 # How a forward call can differ from the plain case a native entry takes (fast_call).
-CALL_VARIANTS = ("plain", "int64_ids", "bf16_weights", "float64_weights", "strided_hidden",
+CALL_VARIANTS = ("plain", "int64_ids", "bf16_weights", "fp16_weights", "float64_weights", "strided_hidden",
                  "strided_ids", "strided_weights", "repeated_id", "id_too_large", "negative_id",
                  "id_past_int32", "no_tokens", "parameter_input", "grad_hidden",
                  "grad_router_weights")
@@ -43,6 +43,8 @@ def call_variants(draw: st.DrawFn, config: md.MoEConfig, max_tokens: int = 12
         ids = ids.long()
     elif variant == "bf16_weights":
         tw = tw.bfloat16()
+    elif variant == "fp16_weights":
+        tw = tw.half()
     elif variant == "float64_weights":
         tw = tw.double()
     elif variant == "strided_hidden":

@@ -170,28 +170,23 @@ struct PlainCall {
     }
   }
 
-  static at::Tensor as_float32(const at::Tensor& w) {
-    if (w.scalar_type() == at::kFloat) return w;
+  template <class T>
+  static at::Tensor converted(const at::Tensor& w) {
     at::Tensor out = at::detail::empty_cpu(w.sizes(), at::kFloat, /*pin_memory=*/false, std::nullopt);
+    const T* in = w.const_data_ptr<T>();
     float* o = out.mutable_data_ptr<float>();
     const int64_t n = w.numel();
-    switch (w.scalar_type()) {
-      case at::kBFloat16: {
-        const at::BFloat16* in = w.const_data_ptr<at::BFloat16>();
-        for (int64_t i = 0; i < n; ++i) o[i] = static_cast<float>(in[i]);
-        break;
-      }
-      case at::kHalf: {
-        const at::Half* in = w.const_data_ptr<at::Half>();
-        for (int64_t i = 0; i < n; ++i) o[i] = static_cast<float>(in[i]);
-        break;
-      }
-      default: {  // float64 (router_weights admits no other)
-        const double* in = w.const_data_ptr<double>();
-        for (int64_t i = 0; i < n; ++i) o[i] = static_cast<float>(in[i]);
-      }
-    }
+    for (int64_t i = 0; i < n; ++i) o[i] = static_cast<float>(in[i]);
     return out;
+  }
+
+  static at::Tensor as_float32(const at::Tensor& w) {
+    switch (w.scalar_type()) {
+      case at::kFloat: return w;
+      case at::kBFloat16: return converted<at::BFloat16>(w);
+      case at::kHalf: return converted<at::Half>(w);
+      default: return converted<double>(w);  // float64: router_weights admits no other
+    }
   }
 };
 
