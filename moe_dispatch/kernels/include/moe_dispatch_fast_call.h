@@ -94,16 +94,17 @@ struct PlainSpec {
 };
 
 // The call's tensors when it is plain: x [T, H] of the layer's dtype, T > 0; router
-// weights [T, top_k] of a float dtype and ids [T, top_k] int32 or int64, given to the
-// kernel as float32 and int32 (the ids' and weights' own tensors when they are, else
-// converted here, value by value, as the backends' Python paths convert them with .to():
-// int64 ids only after their range check, so 2**32 + 1 is out of range, never 1; a float64
-// weight rounded to nearest); every id in [0, E) (and none repeated in a row when the spec
-// asks); the canonical weights unchanged; no torch.jit.trace running (it records torch ops,
-// and would record the kernel's output as a constant); and nothing autograd would record
-// (grad mode on while x, the router weights or a canonical weight requires grad). The layer
-// leaves the last two checks to its entries: here thread-local reads, where the tracing
-// check's Python form, torch._C._get_tracing_state(), costs 10 us per cold call.
+// weights [T, top_k] float32, bfloat16, float16 or float64 and ids [T, top_k] int32 or
+// int64, given to the kernel as float32 and int32 (the caller's own tensors when they are,
+// else converted here, value by value, as the backends' Python paths convert them with
+// .to(): int64 ids only after their range check, so 2**32 + 1 is out of range, never 1; a
+// float64 weight rounded to nearest); every id in [0, E) (and none repeated in a row when
+// the spec asks); the canonical weights unchanged; no torch.jit.trace running (it records
+// torch ops, and would record the kernel's output as a constant); and nothing autograd
+// would record (grad mode on while x, the router weights or a canonical weight requires
+// grad). The layer leaves the last two checks to its entries: here thread-local reads,
+// where the tracing check's Python form, torch._C._get_tracing_state(), costs 10 us per
+// cold call.
 // Why convert here: torch.topk gives int64 ids and HF passes router weights in the model's
 // dtype; declined, such a call took the Python path, 1.08-1.29x of the time of an int32 /
 // float32 call at T=1 (E=64 top-8 H=2048 and E=8 top-2 H=1024 bf16, cold, Zen 3), and a
