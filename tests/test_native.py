@@ -26,10 +26,7 @@ import moe_dispatch as md
 from helpers import (TOLERANCE, ZENTORCH_OK, ZENTORCH_WHY, random_routing, random_weights,
                      reference, rel_error, torch_and)
 from moe_dispatch_backends import torch_loop
-from moe_dispatch.testing.strategies import call_variants
-
-# Call variants the built-in entries take, converting ids to int32 and weights to float32.
-CONVERTED = ("int64_ids", "bf16_weights", "fp16_weights", "float64_weights")
+from moe_dispatch.testing.strategies import TOOLKIT_CONVERTS, call_variants
 
 CFG = md.MoEConfig(8, 2, 32, 16, dtype=torch.float32)
 
@@ -221,9 +218,10 @@ def test_zentorch_entry_takes_only_plain_calls(zen_layers, data):
     cfg, w, layer = zen_layers[torch.float32]
     variant, args = data.draw(call_variants(cfg))
     native = layer.plan.native(*args)
-    if variant not in ("plain", "strided_ids", "strided_weights", "strided_hidden") + CONVERTED:
+    if variant not in ("plain", "strided_ids", "strided_weights",
+                       "strided_hidden") + TOOLKIT_CONVERTS:
         assert native is None, variant
-    if variant in CONVERTED:  # the entry converts them (the toolkit's PlainCall)
+    if variant in TOOLKIT_CONVERTS:  # the entry converts them (the toolkit's PlainCall)
         assert native is not None, variant
     if native is not None:
         assert all(a.is_contiguous() for a in args), variant  # a (1, K) transpose is contiguous

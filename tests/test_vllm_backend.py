@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from helpers import TOLERANCE, assert_unchanged, random_routing, random_weights, reference, rel_error, snapshot
 from moe_dispatch.testing import machine, thread_disagreements
-from moe_dispatch.testing.strategies import call_variants
+from moe_dispatch.testing.strategies import TOOLKIT_CONVERTS, call_variants
 
 from moe_dispatch_backends.vllm_cpu import FUSED_ARGS, VllmBackend, _library, native  # noqa: E402
 
@@ -221,10 +221,10 @@ def test_the_entry_takes_only_plain_calls(data):
     layer.prepare()
     variant, args = data.draw(call_variants(cfg))
     out = layer.plan.native(*args)
-    converted = ("int64_ids", "bf16_weights", "fp16_weights", "float64_weights")
-    if variant not in ("plain", "repeated_id", "strided_ids", "strided_weights", "strided_hidden") + converted:
+    if variant not in ("plain", "repeated_id", "strided_ids", "strided_weights",
+                       "strided_hidden") + TOOLKIT_CONVERTS:
         assert out is None, variant
-    if variant in converted:  # the entry converts them (the toolkit's PlainCall)
+    if variant in TOOLKIT_CONVERTS:  # the entry converts them (the toolkit's PlainCall)
         assert out is not None, variant
     if out is not None:
         x, tw, ids = args

@@ -33,8 +33,8 @@ inline float activate(int64_t act, float gate, float up) {
 // n + 127 stays a normal float's exponent, 1 to 254). What the clamp changes against the
 // scalar std::exp: e^x of x above 88 is e^88, not infinity, so a gated unit whose gate is
 // -inf gives -inf x up (the scalar form, as torch, NaN), and one whose gate is finite below
-// -88 gives g x up / e^88 (not 0: different only where |g| is near 1e30). The avx2 build makes 2^n from the exponent bits
-// where the avx512 build scales by it (vscalefps).
+// -88 gives g x up / e^88 (not 0: different only where |g| is near 1e30). The avx2 build
+// makes 2^n from the exponent bits where the avx512 build scales by it (vscalefps).
 // Why vectorised in both builds: scalar std::exp per unit was 10-15% of the avx2 build's
 // time at decode with int8 / int4 weights (a warm loop on a Zen 3, E=8 top-2 H=1024 I=1408).
 #if MD_AVX512

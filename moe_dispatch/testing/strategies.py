@@ -16,13 +16,16 @@ from .._matrix import canonical_ops
 
 
 # How a forward call can differ from the plain case a native entry takes (fast_call).
-CALL_VARIANTS = ("plain", "int64_ids", "bf16_weights", "fp16_weights", "float64_weights", "strided_hidden",
-                 "strided_ids", "strided_weights", "repeated_id", "id_too_large", "negative_id",
-                 "id_past_int32", "no_tokens", "parameter_input", "grad_hidden",
+CALL_VARIANTS = ("plain", "int64_ids", "bf16_weights", "fp16_weights", "float64_weights",
+                 "strided_hidden", "strided_ids", "strided_weights", "repeated_id", "id_too_large",
+                 "negative_id", "id_past_int32", "no_tokens", "parameter_input", "grad_hidden",
                  "grad_router_weights")
+# The variants the toolkit's PlainCall::check takes and converts (ids to int32, router
+# weights to float32), so an entry built on it takes them too.
+TOOLKIT_CONVERTS = ("int64_ids", "bf16_weights", "fp16_weights", "float64_weights")
 # The variants that break BackendBase.fast_call's contract: every entry must decline them
-# (the grad_ ones: autograd would record the call, and grad mode is on where they are drawn).
-# id_past_int32: an int64 id of 2**32 plus a valid one, valid once narrowed to int32.
+# (the grad_ ones: autograd would record the call, and grad mode is on where they are drawn;
+# id_past_int32: an int64 id of 2**32 plus a valid one, valid once narrowed to int32).
 MUST_DECLINE = ("id_too_large", "negative_id", "id_past_int32", "no_tokens", "parameter_input",
                 "grad_hidden", "grad_router_weights")
 
