@@ -246,6 +246,33 @@ def test_a_tokens_result_does_not_depend_on_the_tokens_beside_it(build, scheme):
         assert torch.equal(batch[t], layer(x[t:t + 1], tw[t:t + 1], ids[t:t + 1])[0]), t
 
 
+@pytest.mark.parametrize("scheme", [None, md.QuantScheme("int8"), md.QuantScheme("int4", group_size=32)],
+                         ids=["bf16", "int8", "int4"])
+def test_the_result_does_not_depend_on_the_kernels_thread_count(build, scheme):
+    # Step 2's items go to threads in chunks, a thread that is done taking chunks from
+    # another's range (team.h, Shares): every item must run once whoever takes it. Expert 0
+    # is in every row, so the items of the thread that holds it cost more and the others
+    # take from its range; each output sums in one order, so the result is bit for bit the
+    # one-thread result at any thread count.
+    cfg = _cfg(scheme, has_bias=True)
+    layer, ref_w, _ = _layer(cfg)
+    x, tw, _ = random_routing(cfg, 12, seed=6)
+    ids = torch.tensor([[0, 1 + t % 7] for t in range(12)])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = layer(x, tw, ids)
+        for threads in (2, 3, 4):
+            torch.set_num_threads(threads)
+            for _ in range(3):
+                assert torch.equal(layer(x, tw, ids), serial), threads
+    finally:
+        torch.set_num_threads(before)
+    want = moe_reference(cfg, x, ref_w["w13"], ref_w["w2"], tw, ids, ref_w.get("w13_bias"),
+                         ref_w.get("w2_bias"))
+    assert rel_error(serial, want) <= (TOLERANCE[torch.bfloat16] if scheme is None else ERROR_BOUND)
+
+
 def test_eight_threads_agree_with_the_serial_result(build):
     cfg = _cfg(md.QuantScheme("int8"))
     layer, _, _ = _layer(cfg)

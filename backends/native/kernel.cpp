@@ -11,7 +11,8 @@
 //   2. w13 and the activation, fused: work items are (expert, block of 16 intermediate
 //      units); each computes the gate and up rows of its units for every token routed to
 //      the expert and writes the activated values. Items are split into one contiguous
-//      range per thread, so every core streams its own part of every expert at once;
+//      range per thread, so every core streams its own part of every expert at once; a
+//      thread that is done takes chunks from the back of another's range (team.h, Shares);
 //   3. the activated values into the layout of step 1 (tiny: T*K*I values);
 //   4. w2 and the weighted combine, fused: each thread owns a contiguous range of output
 //      columns, reads those rows of every active expert's w2 (expert by expert: one long
@@ -106,17 +107,19 @@ class Experts {
     std::vector<float> act(pairs * ip, 0.f);
     const float* b13 = b13_ ? b13_->const_data_ptr<float>() : nullptr;
     const float* b2 = b2_ ? b2_->const_data_ptr<float>() : nullptr;
+    Shares items;
     in_team([&](const Team& team) {
       // The vectors are filled by one thread (their remainder vector is allocated lazily).
       auto fill_share = [&](int64_t n) { return std::pair<int64_t, int64_t>{0, team.id == 0 ? n : 0}; };
       team.step([&] {  // 1. inputs: one per token, or one per pair (router weight on the input).
+        if (team.id == 0)  // chunks of about kShareBytes of weights (2 * kUnits rows per item)
+          items.init(team, static_cast<int64_t>(r.active.size()) * blocks, kShareBytes / (2 * kUnits * w13_.row_bytes));
         each_input(r, x, hidden_, fill_share(r.sources()),
                    [&](int64_t s, const float* v) { xin.set(s, v, hidden_); });
       });
       team.step([&] {  // 2. w13 and the activation, per (active expert, block of units).
         std::vector<float> gate, up;  // [pairs of the expert, kUnits]
-        const auto [lo, hi] = team.share(static_cast<int64_t>(r.active.size()) * blocks);
-        for (int64_t item = lo; item < hi; ++item) {
+        items.run(team, [&](int64_t item) {
           const int64_t e = r.active[item / blocks], u0 = (item % blocks) * kUnits;
           const int64_t u1 = std::min(inter_, u0 + kUnits), n = r.start[e + 1] - r.start[e];
           gate.resize(n * kUnits);
@@ -142,7 +145,7 @@ class Experts {
             float* a = act.data() + r.order[r.start[e] + j] * ip;
             activate_units(act_, gate.data() + j * kUnits, up.data() + j * kUnits, a + u0, u1 - u0);
           }
-        }
+        });
       });
       team.step([&] {  // 3. the activated values in the dot product's layout.
         const auto [p0, p1] = fill_share(pairs);
