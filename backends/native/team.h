@@ -59,8 +59,9 @@ struct Team {
 // left. Why: items do not cost the same (at T=2-8 an expert with two tokens costs more
 // arithmetic per byte than one with one: int4 at two tokens per expert is compute-bound on
 // AVX2), and a VM's vCPU can lag; with fixed ranges the other thread then waits at the
-// barrier (measured on a Zen 3, cold, 2 threads: the faster thread waited 8% of a call on
-// average at T=1). Step 2 this way, against fixed ranges (same machine, the forced native
+// barrier (measured on a Zen 3, cold, 2 threads, T=1: the faster thread waited at the
+// barriers after steps 2 and 4 for 6-10% of a call on average, about two thirds of it after
+// step 2, which this takes; step 4's columns cost the same each). Step 2 this way, against fixed ranges (same machine, the forced native
 // layer, paired rounds, three runs): 0.92-0.98x of the time at E=8 top-2 H=1024 I=1408
 // T=4-8 in bf16, int8 and int4 g128; at T=1 and at E=64 top-8 H=2048 I=768 0.90-1.04x
 // (the spread of this VM's runs).
