@@ -32,6 +32,11 @@ SCHEMES = [None, md.QuantScheme("int8"), md.QuantScheme("int8", group_size=32),
            md.QuantScheme("int4", group_size=32), md.QuantScheme("int4", group_size=128),
            md.QuantScheme("int4", group_size=64, symmetric=False)]
 
+# One scheme per weight format (bf16, int8, int4) and per schedule (rows, blocks of both kinds).
+EACH_FORMAT = pytest.mark.parametrize(
+    "scheme", [None, md.QuantScheme("int8"), md.QuantScheme("int4", group_size=32)],
+    ids=lambda s: "bf16" if s is None else s.describe())
+
 
 def _cfg(scheme=None, **kw):
     base = dict(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128, dtype=torch.bfloat16)
@@ -232,8 +237,7 @@ def test_caller_tensors_untouched_and_in_place_updates_detected(build):
             layer(x, tw, ids)
 
 
-@pytest.mark.parametrize("scheme", [None, md.QuantScheme("int8"), md.QuantScheme("int4", group_size=32)],
-                         ids=["bf16", "int8", "int4"])
+@EACH_FORMAT
 def test_a_tokens_result_does_not_depend_on_the_tokens_beside_it(build, scheme):
     # An expert's routed tokens are dotted two at a time (each weight widened once for
     # both); every sum keeps the one-token order, so a row is bit for bit the row alone.
@@ -246,8 +250,7 @@ def test_a_tokens_result_does_not_depend_on_the_tokens_beside_it(build, scheme):
         assert torch.equal(batch[t], layer(x[t:t + 1], tw[t:t + 1], ids[t:t + 1])[0]), t
 
 
-@pytest.mark.parametrize("scheme", [None, md.QuantScheme("int8"), md.QuantScheme("int4", group_size=32)],
-                         ids=["bf16", "int8", "int4"])
+@EACH_FORMAT
 def test_the_result_does_not_depend_on_the_kernels_thread_count(build, scheme):
     # Step 2's items go to threads in chunks, a thread that is done taking chunks from
     # another's range (team.h, Shares): every item must run once whoever takes it. Expert 0
@@ -398,8 +401,7 @@ def test_quantized_weights_have_no_token_limit(build):
     assert "native" in auto.plan.tuned[64]["ms"]  # timed at the largest bucket
 
 
-@pytest.mark.parametrize("scheme", [None, md.QuantScheme("int8"), md.QuantScheme("int4", group_size=32)],
-                         ids=lambda s: "bf16" if s is None else s.describe())
+@EACH_FORMAT
 @pytest.mark.parametrize("activation", ["silu", "gelu", "swigluoai"])
 def test_a_nan_reaches_its_tokens_output_only(build, scheme, activation):
     """As in float math (docs/failure-modes.md): a NaN in a token's hidden states, or in its
@@ -435,8 +437,7 @@ def test_a_negated_view_is_read_as_its_value(build):
     assert rel_error(layer.run(neg, tw, ids, native=False), want) <= ERROR_BOUND
 
 
-@pytest.mark.parametrize("scheme", [None, md.QuantScheme("int8"), md.QuantScheme("int4", group_size=32)],
-                         ids=lambda s: "bf16" if s is None else s.describe())
+@EACH_FORMAT
 @pytest.mark.parametrize("activation", list(md.Activation), ids=str)
 def test_activations_hold_where_exp_saturates(build, scheme, activation):
     """Gate values far out on both sides (hidden states scaled up to 50x, 25x for swigluoai:
