@@ -253,11 +253,12 @@ def test_a_tokens_result_does_not_depend_on_the_tokens_beside_it(build, scheme):
 @EACH_FORMAT
 def test_the_result_does_not_depend_on_the_kernels_thread_count(build, scheme):
     # Step 2's items go to threads in chunks, a thread that is done taking chunks from
-    # another's range (team.h, Shares): every item must run once whoever takes it. Expert 0
-    # is in every row, so the items of the thread that holds it cost more and the others
-    # take from its range; each output sums in one order, so the result is bit for bit the
-    # one-thread result at any thread count.
-    cfg = _cfg(scheme, has_bias=True)
+    # another's range (team.h, Shares): every item must run whoever takes it (a lost one
+    # leaves its units zero). Expert 0 is in every row, so the items of the thread that holds
+    # it cost more and the others take from its range; H=2048 makes a chunk one item (bf16,
+    # int8) or two (int4), so there are chunks to take. Each output sums in one order, so the
+    # result is bit for bit the one-thread result at any thread count.
+    cfg = _cfg(scheme, has_bias=True, hidden_size=2048)
     layer, ref_w, _ = _layer(cfg)
     x, tw, _ = random_routing(cfg, 12, seed=6)
     ids = torch.tensor([[0, 1 + t % 7] for t in range(12)])

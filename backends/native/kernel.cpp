@@ -11,7 +11,7 @@
 //   2. w13 and the activation, fused: work items are (expert, block of 16 intermediate
 //      units); each computes the gate and up rows of its units for every token routed to
 //      the expert and writes the activated values. Items are split into one contiguous
-//      range per thread, so every core streams its own part of every expert at once; a
+//      range per thread, so every core streams its own experts' rows at once; a
 //      thread that is done takes chunks from the back of another's range (team.h, Shares);
 //   3. the activated values into the layout of step 1 (tiny: T*K*I values);
 //   4. w2 and the weighted combine, fused: each thread owns a contiguous range of output
@@ -60,6 +60,7 @@ class Experts {
       : fmt_(fmt), act_(act), experts_(experts), hidden_(hidden), inter_(inter),
         b13_(std::move(b13)), b2_(std::move(b2)) {
     TORCH_CHECK(fmt >= kBf16 && fmt <= kInt4 && act >= kSilu && act <= kSwigluOai, "format/act");
+    TORCH_CHECK(experts > 0 && hidden > 0 && inter > 0, "a layer with experts, H and I");
     for (const OptTensor* b : {&b13_, &b2_})
       TORCH_CHECK(!b->has_value() || ((*b)->scalar_type() == at::kFloat && (*b)->is_contiguous()),
                   "biases: contiguous float32");

@@ -59,12 +59,12 @@ struct Team {
 // left. Why: items do not cost the same (at T=2-8 an expert with two tokens costs more
 // arithmetic per byte than one with one: int4 at two tokens per expert is compute-bound on
 // AVX2), and a VM's vCPU can lag; with fixed ranges the other thread then waits at the
-// barrier (measured on a Zen 3, cold, 2 threads, T=1: the faster thread waited at the
-// barriers after steps 2 and 4 for 6-10% of a call on average, about two thirds of it after
-// step 2, which this takes; step 4's columns cost the same each). Step 2 this way, against fixed ranges (same machine, the forced native
-// layer, paired rounds, three runs): 0.92-0.98x of the time at E=8 top-2 H=1024 I=1408
-// T=4-8 in bf16, int8 and int4 g128; at T=1 and at E=64 top-8 H=2048 I=768 0.90-1.04x
-// (the spread of this VM's runs).
+// barrier. Measured on a Zen 3 (cold, 2 threads): at T=1 the faster thread waited at the
+// barriers after steps 2 and 4 for 6-10% of a call on average, two thirds of it after step 2,
+// which this takes (step 4's columns all cost the same). Step 2 this way, against fixed
+// ranges (the forced native layer, paired rounds, four runs): 0.90-0.98x of the time at E=8
+// top-2 H=1024 I=1408 T=4-8 in bf16, int8 and int4 g128; at T=1 and at E=64 top-8 H=2048
+// I=768 0.90-1.04x (the spread of this VM's runs).
 class Shares {
  public:
   // By one thread of the team, before the barrier that precedes the step.
@@ -81,7 +81,8 @@ class Shares {
   }
 
   // item(i) for every item this thread takes; the items of a thread's chunk in order. A range
-  // with one chunk left is left to its owner: a taken chunk starts a new stream, cold.
+  // with one chunk left is left to its owner (checked again in take, which the owner may race):
+  // a taken chunk starts a new stream, cold.
   template <class Item>
   void run(const Team& team, Item&& item) const {
     for (auto [lo, hi] = take(team.id, true); lo < hi; std::tie(lo, hi) = take(team.id, true))
@@ -114,8 +115,9 @@ class Shares {
     uint64_t v = ranges_[t].v.load(std::memory_order_relaxed);
     for (;;) {
       const int64_t lo = static_cast<int64_t>(v & 0xFFFFFFFFu), hi = static_cast<int64_t>(v >> 32);
-      if (lo >= hi) return {0, 0};
-      const int64_t a = front ? lo : std::max(lo, hi - chunk_), b = front ? std::min(hi, lo + chunk_) : hi;
+      if (lo >= hi || (!front && hi - lo <= chunk_)) return {0, 0};  // the last chunk: its owner's
+      const int64_t a = front ? lo : std::max(lo, hi - chunk_);
+      const int64_t b = front ? std::min(hi, lo + chunk_) : hi;
       // Relaxed: the items are disjoint, and the step's barrier publishes what they wrote.
       if (ranges_[t].v.compare_exchange_weak(v, front ? pack(b, hi) : pack(lo, a),
                                              std::memory_order_relaxed))
