@@ -442,11 +442,11 @@ def test_a_negated_view_is_read_as_its_value(build):
 @pytest.mark.parametrize("activation", list(md.Activation), ids=str)
 def test_activations_hold_where_exp_saturates(build, scheme, activation):
     """Gate values far out on both sides (hidden states scaled up to 50x, 25x for swigluoai:
-    gates past +-100), where the vectorised exp clamps its argument and builds 2^n from exponent bits: an
-    exponent out of a float's range would give garbage or infinities there, not silu's 0 and
-    g. (Not further: with quantized weights swigluoai's clamps leave an output that no longer
-    grows with x while x's quantization error does; 5.3e-2 at 100x, int8, with std::exp as
-    with the vectorised one.)"""
+    gates past +-100), where the vectorised exp clamps its argument and builds 2^n from
+    exponent bits: an exponent out of a float's range would give garbage or infinities there,
+    not silu's 0 and g. (Not further: with quantized weights swigluoai's clamps leave an output
+    that no longer grows with x while x's quantization error does; 5.3e-2 at 100x, int8, with
+    std::exp as with the vectorised one.)"""
     cfg = _cfg(scheme, activation=activation)
     layer, ref_w, _ = _layer(cfg)
     x, tw, ids = random_routing(cfg, 4, seed=5)

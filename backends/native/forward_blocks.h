@@ -7,8 +7,8 @@
 //   2. w13 and the activation: work items (active expert, 16 units) read w13's blocks 2j
 //      (gate rows) and 2j + 1 (up rows) once from memory and, from L2, once per tile of the
 //      expert's pairs, activating 16 units per pair at once; a thread takes the items in
-//      chunks of about kShareBytes of weights, and when its range is done, chunks from the
-//      back of another's (team.h, Shares);
+//      chunks of about 64 KiB of weights, and when its range is done, chunks from the back
+//      of another's (team.h, Shares);
 //   3. the activated values quantized per kNarrowGroup values at every T: their tails are
 //      heavier than x's, and per 128 values they made 2.1e-2 of error at T=64 (H=1024
 //      I=512, random weights) where per 32 make 1.3e-2, at no measured cost (w2 is a third
@@ -120,8 +120,8 @@ inline at::Tensor forward_blocks(const BlockLayer& L, const Routing& r, const at
   Shares items;
   in_team([&](const Team& team) {
     team.step([&] {  // 1. inputs.
-      if (team.id == 0)  // chunks of about kShareBytes of weights
-        items.init(team, static_cast<int64_t>(r.active.size()) * jb, kShareBytes / (2 * L.w13.block_bytes));
+      if (team.id == 0)  // an item reads two blocks
+        items.init(team, static_cast<int64_t>(r.active.size()) * jb, 2 * L.w13.block_bytes);
       each_input(r, x, L.hidden, team.share(r.sources()),
                  [&](int64_t s, const float* v) { xin.set(s, v, L.hidden); });
     });

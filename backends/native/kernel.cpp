@@ -113,8 +113,8 @@ class Experts {
       // The vectors are filled by one thread (their remainder vector is allocated lazily).
       auto fill_share = [&](int64_t n) { return std::pair<int64_t, int64_t>{0, team.id == 0 ? n : 0}; };
       team.step([&] {  // 1. inputs: one per token, or one per pair (router weight on the input).
-        if (team.id == 0)  // chunks of about kShareBytes of weights (2 * kUnits rows per item)
-          items.init(team, static_cast<int64_t>(r.active.size()) * blocks, kShareBytes / (2 * kUnits * w13_.row_bytes));
+        if (team.id == 0)  // an item reads 2 * kUnits rows
+          items.init(team, static_cast<int64_t>(r.active.size()) * blocks, 2 * kUnits * w13_.row_bytes);
         each_input(r, x, hidden_, fill_share(r.sources()),
                    [&](int64_t s, const float* v) { xin.set(s, v, hidden_); });
       });

@@ -35,11 +35,6 @@ enum Act : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2, kSwigluOai = 3 };
 constexpr int64_t kBlock = 32;  // values per quantization block
 constexpr int64_t kUnits = 16;  // intermediate units per work item of step 2
 constexpr int64_t kCols = 16;   // output columns per work item of step 4
-// Weight bytes per chunk of step 2's items that a thread takes at a time (team.h, Shares),
-// or one item where an item holds more: one to four items of 16 units at the benchmarks'
-// shapes (chunks of two and of four int8 / int4 items measured alike on a Zen 3; each chunk
-// costs one compare-and-swap).
-constexpr int64_t kShareBytes = 64 * 1024;
 constexpr int64_t kTile = 6;    // inputs per call of rows_dots (dots.h) and pair_dots (blocks_avx*.h)
 
 inline float hsum(__m256 v) {

@@ -67,10 +67,17 @@ struct Team {
 // I=768 0.90-1.04x (the spread of this VM's runs).
 class Shares {
  public:
-  // By one thread of the team, before the barrier that precedes the step.
-  void init(const Team& team, int64_t n, int64_t chunk) {
+  // Weight bytes per chunk a thread takes at a time, or one item where an item holds more:
+  // one to four items of 16 units at the benchmarks' shapes (chunks of two and of four int8 /
+  // int4 items measured alike on a Zen 3; each chunk costs one compare-and-swap).
+  static constexpr int64_t kChunkBytes = 64 * 1024;
+
+  // By one thread of the team, before the barrier that precedes the step: n items of
+  // item_bytes of weights each.
+  void init(const Team& team, int64_t n, int64_t item_bytes) {
     TORCH_CHECK(n < (int64_t{1} << 32), "work items: fewer than 2**32");
-    chunk_ = std::max<int64_t>(1, chunk), size_ = team.size;
+    chunk_ = std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, item_bytes));
+    size_ = team.size;
     ranges_.reset(new Range[size_]);
     for (int t = 0; t < size_; ++t) {
       Team other = team;
