@@ -13,8 +13,9 @@ benchmarks/bench_native.py does), shuffled rounds, medians:
    format (bf16, int8 per channel, int4 g128); a straight line through (active bytes, ms)
    per format: its intercept is the fixed cost, its slope the streaming rate;
 2. on a layer too small to stream (E=8 top-2 H=I=128, int8), the call path step by step: the
-   layer as an engine calls it (int32 ids and float32 weights; int64 ids and bf16 weights,
-   which the native entry converts; the same converted by ``.to()`` in the caller first),
+   layer as an engine calls it (int32 ids and float32 weights, through MoELayer's C call
+   slot and through the Python ``__call__``; int64 ids and bf16 weights, which the native
+   entry converts; the same converted by ``.to()`` in the caller first),
    ``layer.run``, the native entry alone; two controls (a
    Python function that returns None, and ``torch.empty_like``); and three checks alone,
    each in a Python function like the no-op: torch's is_compiling(), the cheaper form
@@ -35,12 +36,18 @@ from moe_dispatch.testing import random_inputs
 FORMATS = {"bf16": None, "int8": md.QuantScheme("int8"), "int4 g128": md.QuantScheme("int4", group_size=128)}
 
 
-def _layer(hidden: int, inter: int, scheme: md.QuantScheme | None) -> tuple[md.MoELayer, float]:
+class _PythonCall(md.MoELayer):
+    """MoELayer as it is, called through the Python __call__: the C call slot
+    (moe_dispatch/_call_slot.cpp) is MoELayer's own, and a subclass's calls take __call__."""
+
+
+def _layer(hidden: int, inter: int, scheme: md.QuantScheme | None,
+           cls: type[md.MoELayer] = md.MoELayer) -> tuple[md.MoELayer, float]:
     """A forced native layer (E=8, top-2) and the bytes of one expert's weights."""
     cfg = md.MoEConfig(8, 2, hidden, inter, dtype=torch.bfloat16, weight_scheme=scheme)
     g = torch.Generator().manual_seed(0)
     w13, w2 = torch.randn(cfg.w13_shape, generator=g) * 0.05, torch.randn(cfg.w2_shape, generator=g) * 0.05
-    layer = md.MoELayer(cfg, backend="native")
+    layer = cls(cfg, backend="native")
     if scheme is None:
         return layer.load_weights(w13.bfloat16(), w2.bfloat16()).prepare(), 3 * hidden * inter * 2
     qe = md.quantize_experts(w13, w2, scheme)
@@ -73,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
               + f" | {fixed * 1e3:.0f} | {1 / slope:.1f} |")
 
     layer, _ = _layer(128, 128, FORMATS["int8"])
+    python_call, _ = _layer(128, 128, FORMATS["int8"], _PythonCall)
     entry = layer.plan.native
     flag = torch.compiler.is_dynamo_compiling
     tiny = random_inputs(layer.config, 1, pool=8, seed=2)
@@ -82,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     given = {id(ids): (tw.bfloat16(), ids.long()) for _, tw, ids in tiny}
     f32, i32 = torch.float32, torch.int32
     steps = {"layer(x, tw, ids)": layer,
+             "layer(x, tw, ids), the Python __call__ (no call slot)": python_call,
              "layer, int64 ids and bf16 weights as given": lambda x, tw, ids: layer(x, *given[id(ids)]),
              "layer, int64 ids and bf16 weights, .to() each first":
                  lambda x, tw, ids: layer(x, given[id(ids)][0].to(f32), given[id(ids)][1].to(i32)),

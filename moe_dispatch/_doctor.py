@@ -11,6 +11,7 @@ from typing import Any
 from ._capabilities import Capabilities
 from ._registry import get_registry
 from ._spec import BackendRecord
+from . import _call_slot
 from .kernels import huge_pages_used, schema_arguments, schema_problem, thp_mode
 
 FRAMEWORK_ENV = ("MOE_DISPATCH_BACKEND", "MOE_DISPATCH_DISABLE", "MOE_DISPATCH_PLUGINS",
@@ -52,6 +53,7 @@ def collect() -> dict[str, Any]:
                  model_id=caps.cpu_model_id, zen_generation=caps.zen_generation),
         isa={f: getattr(caps, f) for f in ISA}, threads=caps.threads, torch=caps.torch_version,
         huge_pages=dict(mode=thp_mode(), used=huge_pages_used()),
+        call_slot=_call_slot.describe(),
         backends=[dict(name=r.name, priority=r.priority, source=r.source,
                        description=r.spec.description, version=r.spec.version,
                        diagnostics=backend_diagnostics(r),
@@ -75,7 +77,7 @@ def render(data: dict[str, Any]) -> str:
            f"{c['model_id']}, Zen generation {c['zen_generation'] or '-'})",
            "ISA       " + "  ".join(f"{k}={'yes' if v else 'no'}" for k, v in data["isa"].items()),
            f"threads   {data['threads']}", f"torch     {data['torch']}", _pages_line(data["huge_pages"]),
-           "backends (priority order):"]
+           f"calls     MoELayer's C call slot: {data['call_slot']}", "backends (priority order):"]
     for b in data["backends"]:
         out.append(f"  {b['priority']:>5}  {b['name']:<14} {b['version'] or '-':<12} {b['source']}")
         for label, text in b["diagnostics"].items():

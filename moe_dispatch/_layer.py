@@ -13,6 +13,7 @@ from typing import Iterable
 
 import torch
 
+from . import _call_slot
 from ._canonical import CanonicalWeights
 from ._capabilities import Capabilities
 from ._compile import register_layer
@@ -139,6 +140,8 @@ class MoELayer(LayerCalls):
         with self._lock:
             self._plan = self._build_plan()
             self._loaded = self._plan.canonical
+        if self._plan.natives is not None:  # a native entry: the slot that calls it from C
+            _call_slot.install(MoELayer)
         return self
 
     def _build_plan(self) -> ExecutionPlan:

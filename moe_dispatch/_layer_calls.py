@@ -86,6 +86,11 @@ class LayerCalls(torch.nn.Module):
                 return self._entry_failed(pair[1], exc, *args)
             if out is not None:
                 return out
+        return self._without_entry(*args, **kwargs)
+
+    def _without_entry(self, *args: Any, **kwargs: Any) -> Any:
+        # __call__'s end when no entry ran the call (also the C call slot's, _call_slot.cpp,
+        # after an entry declined: it never asks an entry twice).
         if not _tracing_state():
             return self._run_python(*args, **kwargs)
         return super().__call__(*args, **kwargs)  # torch.jit.trace: nn.Module's path

@@ -38,6 +38,9 @@ if .venv/bin/python -c "import zentorch" >/dev/null 2>&1; then
   .venv/bin/python -m moe_dispatch_backends.zentorch.native \
     || echo "setup: the zentorch native entry is unavailable; its Python path runs" >&2
 fi
+# MoELayer's C call slot (a few seconds). Not fatal: without it the Python __call__ runs.
+.venv/bin/python -c "import moe_dispatch._call_slot as s; s.build()" \
+  || echo "setup: the layer call slot is unavailable; the Python __call__ runs" >&2
 # The native backend's kernel (moe-dispatch's own decode kernel), for the ISA builds this
 # CPU runs (~50 s each). Not fatal: without it the backend rejects with the reason.
 .venv/bin/python -m moe_dispatch_backends.native \

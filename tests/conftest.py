@@ -37,3 +37,23 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     # times the candidates at prepare()) has its own tests (tests/test_default_routing.py),
     # which delete this variable; timing every Hypothesis-drawn layer would only add noise.
     monkeypatch.setenv("MOE_DISPATCH_POLICY", "priority")
+
+
+@pytest.fixture(params=["slot", "python"])
+def call_path(request: pytest.FixtureRequest):
+    """MoELayer's two call paths, one per run of the test: the C call slot
+    (moe_dispatch/_call_slot.cpp; skipped where it cannot be built) and the Python
+    ``__call__`` that runs without it."""
+    import moe_dispatch as md
+    from moe_dispatch import _call_slot
+
+    installed = _call_slot.install(md.MoELayer) or _call_slot.installed()
+    if request.param == "slot" and not installed:
+        pytest.skip(f"the call slot is not in use here: {_call_slot.describe()}")
+    if installed:
+        _call_slot.set_active(request.param == "slot")
+    try:
+        yield request.param
+    finally:
+        if installed:
+            _call_slot.set_active(True)

@@ -76,6 +76,7 @@ def _entry_layer(mode: str = "run") -> Iterator[tuple[EntryBackend, md.MoELayer,
 
 
 # -- the layer's contract (any backend) ---------------------------------------------------
+@pytest.mark.usefixtures("call_path")
 def test_plain_calls_take_the_entry_and_the_guard_names_the_canonical_weights():
     with _entry_layer() as (backend, layer, w):
         x, tw, ids = random_routing(CFG, 5)
@@ -118,6 +119,7 @@ def test_a_tuned_layer_takes_the_entry_when_one_backend_wins_every_bucket():
         assert backend.entry_calls == 1
 
 
+@pytest.mark.usefixtures("call_path")
 def test_a_declined_call_runs_the_python_path():
     with _entry_layer("decline") as (backend, layer, w):
         x, tw, ids = random_routing(CFG, 4)
@@ -126,6 +128,7 @@ def test_a_declined_call_runs_the_python_path():
         assert rel_error(out, reference(CFG, w, x, tw, ids)) <= TOLERANCE[torch.float32]
 
 
+@pytest.mark.usefixtures("call_path")
 def test_an_entry_that_raises_is_a_kernel_failure(caplog):
     with _entry_layer("raise") as (backend, layer, w):
         x, tw, ids = random_routing(CFG, 4)
@@ -137,6 +140,7 @@ def test_an_entry_that_raises_is_a_kernel_failure(caplog):
         assert sum("demoted" in r.message for r in caplog.records) == 1
 
 
+@pytest.mark.usefixtures("call_path")
 def test_bad_input_is_the_callers_error_even_if_the_entry_raises_on_it():
     # a careless entry: it raises instead of declining
     with _entry_layer("raise") as (backend, layer, _):

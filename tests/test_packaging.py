@@ -34,6 +34,7 @@ def test_wheel_contents_and_import(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "moe_dispatch_backends/vllm_cpu/native.cpp" in names
     assert "moe_dispatch/kernels/include/moe_dispatch_fast_call.h" in names
+    assert "moe_dispatch/_call_slot.cpp" in names  # MoELayer's call slot, built on first use
     assert "moe_dispatch_backends/zentorch/__init__.py" in names
     assert "moe_dispatch_backends/vllm_cpu/__init__.py" in names
     # the C++ source of the zentorch backend's decode entry, compiled on the user's machine

@@ -100,6 +100,7 @@ def test_forced_backend_is_not_tuned():
     assert layer.tuned_table is None
 
 
+@pytest.mark.usefixtures("call_path")
 @pytest.mark.parametrize("backend", [c.name for c in md.resolve(CFG).candidates if c.decision.accepted])
 def test_torch_compile_fullgraph_matches_eager(backend):
     torch._dynamo.reset()
@@ -129,6 +130,7 @@ def test_torch_compile_inductor_once():
     assert torch.equal(compiled(x, tw, ids), layer(x, tw, ids))
 
 
+@pytest.mark.usefixtures("call_path")
 def test_hooks_still_run_on_the_fast_path():
     """MoELayer.__call__ skips nn.Module's hook machinery only when no hook is registered."""
     w = random_weights(CFG)
@@ -155,6 +157,7 @@ class _WithSharedExpert(md.MoELayer):
         return super().forward(hidden_states, topk_weights, topk_ids) + hidden_states
 
 
+@pytest.mark.usefixtures("call_path")
 def test_a_replaced_or_subclassed_forward_still_runs():
     """The fast path skips forward(): it must not for a subclass's forward, nor for an
     instance whose forward was replaced (accelerate's hooks do that)."""
@@ -179,6 +182,7 @@ def test_a_replaced_or_subclassed_forward_still_runs():
     assert torch.allclose(sub(x, tw, ids), plain + x)
 
 
+@pytest.mark.usefixtures("call_path")
 def test_a_trace_keeps_its_layer_alive():
     """model = torch.jit.trace(model, ...) drops the last other reference to the layer: the
     trace holds its handle only, so the layer is kept for it."""
@@ -194,6 +198,7 @@ def test_a_trace_keeps_its_layer_alive():
     assert torch.allclose(model(x, tw, ids), want)
 
 
+@pytest.mark.usefixtures("call_path")
 def test_module_compile_in_place():
     """nn.Module.compile() (the in-place variant) goes through the custom op too."""
     torch._dynamo.reset()
@@ -208,6 +213,7 @@ def test_module_compile_in_place():
     assert counter.frame_count == 1  # it really ran compiled
 
 
+@pytest.mark.usefixtures("call_path")
 def test_torch_jit_trace_of_a_layer_with_a_bucket_table():
     """Under torch.jit.trace a shape is a traced tensor: the bucket lookup takes its int."""
     layer = md.MoELayer(CFG, policy="fastest", tune_max_tokens=4, tuning_cache=False)
@@ -220,6 +226,7 @@ def test_torch_jit_trace_of_a_layer_with_a_bucket_table():
     assert torch.allclose(traced(x, tw, ids), layer(x, tw, ids))
 
 
+@pytest.mark.usefixtures("call_path")
 def test_a_compiled_caller_traces_the_fast_path_once():
     """Dynamo traces MoELayer.__call__ when a compiled function calls the layer: its checks
     must steer it to the custom op without a guard that fails in eager (a recompile at every
