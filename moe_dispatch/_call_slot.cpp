@@ -14,6 +14,11 @@
 // Why no dynamo check (the Python __call__'s first line): dynamo never calls tp_call. It
 // traces the Python __call__, which stays in the class's dict (type(layer).__call__), and
 // this code runs only when a call is executed for real, where is_dynamo_compiling() is False.
+// One difference remains: a call run for real while torch.compile is active (code under
+// torch._dynamo.disable(recursive=False), a frame dynamo gave up on) runs the entry here,
+// where dynamo would have compiled the Python __call__'s frame on its own (its custom op):
+// the same result, one compiled frame less. And an entry's exception that _entry_failed
+// re-raises has no __call__ frame in its traceback.
 // Only the PyObject C API: no torch headers, so it builds in seconds.
 
 #define PY_SSIZE_T_CLEAN
@@ -32,11 +37,11 @@ PyObject* tensor_ = nullptr;         // torch.Tensor
 unsigned long long taken_ = 0;       // calls this slot ran to the end (the tests read it)
 
 enum Name { kPlan, kOwn, kForward, kRun, kCompiled, kHook0, kFlag = kHook0 + 4, kWatched, kSingle,
-            kNatives, kFailed, kWithout, kNdim, kNames };
+            kNatives, kFailed, kWithout, kShape, kCall, kNames };
 const char* const kNameText[kNames] = {
     "_plan", "_own_forward", "forward", "run", "_compiled_call_impl", "_forward_hooks",
     "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_is_compiling_flag",
-    "watched", "single", "natives", "_entry_failed", "_without_entry", "ndim"};
+    "watched", "single", "natives", "_entry_failed", "_without_entry", "shape", "__call__"};
 PyObject* names_[kNames] = {};
 
 // The Python __call__ with the call's own arguments.
@@ -64,7 +69,8 @@ bool no_hooks(PyObject* d, Name key) {
 
 // What the Python __call__ checks before it reads the plan: the instance's own plan, no
 // forward or run of the instance or a subclass, not compiled by nn.Module.compile(), no hook
-// of the module or of the process, not inside a compile session. Borrowed; null: not plain.
+// of the module or of the process, not inside a compile session. A new reference (the flag
+// may be a Python property, during which another thread may swap the plan); null: not plain.
 PyObject* plain_plan(PyObject* d) {
   PyObject* plan = PyDict_GetItemWithError(d, names_[kPlan]);
   if (plan == nullptr || plan == Py_None || PyDict_GetItemWithError(d, names_[kOwn]) != Py_True)
@@ -74,10 +80,13 @@ PyObject* plain_plan(PyObject* d) {
   for (int i = 0; i < 4; ++i)
     if (!no_hooks(d, static_cast<Name>(kHook0 + i)) || PyDict_GET_SIZE(global_hooks_[i]) != 0)
       return nullptr;
+  Py_INCREF(plan);
   PyObject* flag = PyObject_GetAttr(compiler_, names_[kFlag]);
   const int compiling = flag != nullptr ? PyObject_IsTrue(flag) : -1;
   Py_XDECREF(flag);
-  return compiling == 0 ? plan : nullptr;
+  if (compiling == 0) return plan;
+  Py_DECREF(plan);
+  return nullptr;
 }
 
 // ExecutionPlan.native_for(x) as __call__ reads it: plan.single, else the bucket of x's
@@ -96,11 +105,14 @@ PyObject* entry_pair(PyObject* plan, PyObject* x) {
     const Py_ssize_t n = PyTuple_GET_SIZE(natives);
     Py_ssize_t bucket = 0;  // _plan.bucket_index: the smallest power of two >= rows, clamped
     if (n > 1) {
+      // As native_for: an exact torch.Tensor of two dimensions, rows from x.shape (a tuple of
+      // ints; under torch.jit.trace its items are traced tensors, and the call goes to Python).
       bucket = -1;
-      PyObject* ndim = Py_TYPE(x) == reinterpret_cast<PyTypeObject*>(tensor_) ? PyObject_GetAttr(x, names_[kNdim]) : nullptr;
-      const long dims = ndim != nullptr ? PyLong_AsLong(ndim) : -1;
-      Py_XDECREF(ndim);
-      const Py_ssize_t rows = dims == 2 ? PyObject_Size(x) : -1;
+      PyObject* shape = Py_TYPE(x) == reinterpret_cast<PyTypeObject*>(tensor_) ? PyObject_GetAttr(x, names_[kShape]) : nullptr;
+      PyObject* first = shape != nullptr && PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) == 2
+          ? PyTuple_GET_ITEM(shape, 0) : nullptr;
+      const Py_ssize_t rows = first != nullptr && PyLong_CheckExact(first) ? PyLong_AsSsize_t(first) : -1;
+      Py_XDECREF(shape);
       if (rows > 0) {
         bucket = 0;
         for (size_t v = static_cast<size_t>(rows - 1); v != 0; v >>= 1) ++bucket;
@@ -118,14 +130,20 @@ PyObject* entry_pair(PyObject* plan, PyObject* x) {
 
 // The entry raised: as the Python __call__, an Exception goes to self._entry_failed(route,
 // exc, *args), which re-checks the input and falls back or raises; anything else propagates.
+// It runs with exc as the exception being handled, as inside `except Exception as exc:`, so
+// that what it raises has exc as its __context__ (and the caller's own, if any, is restored).
 PyObject* entry_failed(PyObject* self, PyObject* args, PyObject* route) {
   if (!PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;
   PyObject *type, *exc, *tb;
   PyErr_Fetch(&type, &exc, &tb);
   PyErr_NormalizeException(&type, &exc, &tb);
   if (tb != nullptr) PyException_SetTraceback(exc, tb);
+  PyObject* outer = PyErr_GetHandledException();
+  PyErr_SetHandledException(exc);
   PyObject* out = PyObject_CallMethodObjArgs(self, names_[kFailed], route, exc, PyTuple_GET_ITEM(args, 0),
                                              PyTuple_GET_ITEM(args, 1), PyTuple_GET_ITEM(args, 2), nullptr);
+  PyErr_SetHandledException(outer);
+  Py_XDECREF(outer);
   Py_XDECREF(type);
   Py_XDECREF(exc);
   Py_XDECREF(tb);
@@ -139,13 +157,19 @@ PyObject* layer_call(PyObject* self, PyObject* args, PyObject* kwargs) {
     return python_path(self, args, kwargs);
   PyObject* d = PyObject_GenericGetDict(self, nullptr);
   PyObject* plan = d != nullptr ? plain_plan(d) : nullptr;
-  // The plan, borrowed from the dict, is read before the entry runs: the entry releases the
-  // GIL, and another thread may then swap the plan (a demotion); the pair is our own.
+  // The plan is read before the entry runs: the entry releases the GIL, and another thread
+  // may then swap the layer's plan (a demotion); the pair is our own.
   PyObject* pair = plan != nullptr ? entry_pair(plan, PyTuple_GET_ITEM(args, 0)) : nullptr;
+  Py_XDECREF(plan);
   Py_XDECREF(d);
   if (pair == nullptr || !PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
     Py_XDECREF(pair);
-    PyErr_Clear();  // a failed lookup is a reason to take the Python path, never an error
+    // A failed lookup is a reason to take the Python path, which raises what it must; a
+    // KeyboardInterrupt or a MemoryError on the way propagates.
+    if (PyErr_Occurred() != nullptr) {
+      if (!PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;
+      PyErr_Clear();
+    }
     return python_path(self, args, kwargs);
   }
   PyObject* out = PyObject_Vectorcall(PyTuple_GET_ITEM(pair, 0), &PyTuple_GET_ITEM(args, 0), 3, nullptr);
@@ -194,13 +218,24 @@ PyObject* install(PyObject*, PyObject* a) {
   Py_RETURN_NONE;
 }
 
-// set_active(on): this slot or CPython's (the tests compare the two paths).
+// set_active(on): this slot or CPython's (the tests compare the two paths). Never this one
+// over a __call__ assigned on the class since install: the slot would skip it.
 PyObject* set_active(PyObject*, PyObject* on) {
   const int value = PyObject_IsTrue(on);
   if (value < 0) return nullptr;
   if (cls_ == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "the call slot is not installed");
     return nullptr;
+  }
+  if (value) {
+    PyObject* call = PyObject_GetAttr(reinterpret_cast<PyObject*>(cls_), names_[kCall]);
+    Py_XDECREF(call);
+    if (call != python_call_) {
+      if (call != nullptr)
+        PyErr_SetString(PyExc_RuntimeError, "the class's __call__ is not the one the slot was "
+                        "installed for: the Python __call__ runs every call");
+      return nullptr;
+    }
   }
   cls_->tp_call = value ? layer_call : python_slot_;
   PyType_Modified(cls_);
@@ -222,7 +257,7 @@ PyMethodDef kMethods[] = {
     {"taken", taken, METH_NOARGS, "calls this slot ran to the end, in this process"},
     {nullptr, nullptr, 0, nullptr}};
 
-PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "moe_dispatch call slot", nullptr, -1, kMethods,
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "moe_dispatch_call_slot", nullptr, -1, kMethods,
                        nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace

@@ -34,21 +34,27 @@ EXTENSION = NativeExtension("moe_dispatch_call_slot", [Path(__file__).with_name(
                             build_command=BUILD)
 
 _lock = threading.Lock()
-_installed: list[type] = []
+_installed: list[tuple[type, object]] = []  # (the class, its __call__ then)
+_failed: list[str] = []
 
 
 def install(cls: type) -> bool:
-    """Make the slot ``cls``'s (once per process, one class); whether it is in use."""
-    if _installed:
-        return _installed[0] is cls and active()
+    """Make the slot ``cls``'s (once per process, one class); whether it is in use. Never
+    raises: a slot that cannot be installed leaves the Python ``__call__`` (and says why)."""
     with _lock:
-        if not _installed:
+        if not _installed and not _failed:
             module = EXTENSION.load()
             if module is None:
                 return False
-            module.install(cls, cls.__call__, GLOBAL_HOOKS, COMPILER, torch.Tensor)
-            _installed.append(cls)
-    return _installed[0] is cls and active()
+            try:
+                module.install(cls, cls.__call__, GLOBAL_HOOKS, COMPILER, torch.Tensor)
+            except Exception as exc:  # e.g. this module reloaded: the C module's slot stays
+                _failed.append(f"{type(exc).__name__}: {exc}")
+                log.warning("moe-dispatch: the layer call slot was not installed (%s); the "
+                            "Python __call__ runs", _failed[0])
+                return False
+            _installed.append((cls, cls.__call__))
+    return bool(_installed) and _installed[0][0] is cls and active()
 
 
 def installed() -> bool:
@@ -63,10 +69,12 @@ def active() -> bool:
 
 
 def set_active(on: bool) -> None:
-    """The slot (True) or CPython's, which calls the Python ``__call__`` (False)."""
-    module = EXTENSION.load()
-    if module is None or not _installed:
+    """The slot (True) or CPython's, which calls the Python ``__call__`` (False). True is a
+    RuntimeError where ``__call__`` was assigned on the class since: the slot would skip it."""
+    if not _installed:
         raise RuntimeError(f"the call slot is not installed: {describe()}")
+    module = EXTENSION.load()
+    assert module is not None  # installed from it
     module.set_active(on)
 
 
@@ -79,8 +87,14 @@ def taken() -> int:
 def describe() -> str:
     """The slot's state, for ``moe-dispatch doctor``."""
     if _installed:
-        return (f"in use on {_installed[0].__name__} ({EXTENSION.status()})" if active()
-                else "installed, not in use (the class's __call__ was reassigned)")
+        cls, call = _installed[0]
+        if active():
+            return f"in use on {cls.__name__} ({EXTENSION.status()})"
+        if cls.__call__ is not call:
+            return f"not in use: {cls.__name__}.__call__ was assigned since; the Python __call__ runs"
+        return "installed, switched off (set_active(False)); the Python __call__ runs"
+    if _failed:
+        return f"not installed ({_failed[0]}); the Python __call__ runs"
     return EXTENSION.describe()
 
 

@@ -138,9 +138,9 @@ class MoELayer(LayerCalls):
         tuning if asked: builds the execution plan. Calling it again rebuilds it from the
         current weights (after an in-place update)."""
         with self._lock:
-            self._plan = self._build_plan()
-            self._loaded = self._plan.canonical
-        if self._plan.natives is not None:  # a native entry: the slot that calls it from C
+            plan = self._plan = self._build_plan()
+            self._loaded = plan.canonical
+        if plan.natives is not None:  # a native entry: the slot that calls it from C
             _call_slot.install(MoELayer)
         return self
 

@@ -39,21 +39,31 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOE_DISPATCH_POLICY", "priority")
 
 
-@pytest.fixture(params=["slot", "python"])
-def call_path(request: pytest.FixtureRequest):
-    """MoELayer's two call paths, one per run of the test: the C call slot
-    (moe_dispatch/_call_slot.cpp; skipped where it cannot be built) and the Python
-    ``__call__`` that runs without it."""
+@pytest.fixture(scope="session", autouse=True)
+def _call_slot_installed() -> None:
+    """MoELayer's C call slot from the first test on (where it builds), so that every layer
+    test runs the same path whatever ran before it (the slot is otherwise installed at the
+    first prepare() with a native entry)."""
     import moe_dispatch as md
     from moe_dispatch import _call_slot
 
-    installed = _call_slot.install(md.MoELayer) or _call_slot.installed()
-    if request.param == "slot" and not installed:
+    _call_slot.install(md.MoELayer)
+
+
+@pytest.fixture(params=["slot", "python"])
+def call_path(request: pytest.FixtureRequest):
+    """MoELayer's two call paths, one per run of the test: the C call slot
+    (moe_dispatch/_call_slot.cpp; skipped where it is not in use) and the Python
+    ``__call__`` that runs without it."""
+    from moe_dispatch import _call_slot
+
+    was = _call_slot.active()
+    if request.param == "slot" and not was:
         pytest.skip(f"the call slot is not in use here: {_call_slot.describe()}")
-    if installed:
+    if was:
         _call_slot.set_active(request.param == "slot")
     try:
         yield request.param
     finally:
-        if installed:
+        if was:
             _call_slot.set_active(True)

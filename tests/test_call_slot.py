@@ -19,32 +19,35 @@ import moe_dispatch as md
 from moe_dispatch import _call_slot
 from moe_dispatch._layer_calls import LayerCalls
 
-from helpers import random_routing
-from test_native import CFG, _entry_layer
+from helpers import random_routing, random_weights, torch_and
+from test_native import CFG, EntryBackend, _entry_layer
 
 
 @pytest.fixture
 def slot():
-    if not (_call_slot.install(md.MoELayer) or _call_slot.installed()):
+    if not _call_slot.active():
         pytest.skip(f"the call slot is not in use here: {_call_slot.describe()}")
-    _call_slot.set_active(True)
     yield
     _call_slot.set_active(True)
 
 
 def _on_and_off(call):
-    """call() through the slot, then through the Python __call__: (both results or the
-    exceptions' types, calls the slot ran itself)."""
+    """call() through the slot, then through the Python __call__: (both results, or for an
+    exception its type, message and __context__'s type; calls the slot ran itself)."""
     results, before = [], _call_slot.taken()
     for on in (True, False):
         _call_slot.set_active(on)
         try:
             results.append(call())
         except Exception as exc:  # the same error either way
-            results.append(type(exc))
+            results.append((type(exc), str(exc), type(exc.__context__)))
         finally:
             _call_slot.set_active(True)
     return results, _call_slot.taken() - before
+
+
+def _same(on, off):
+    return on == off if isinstance(on, tuple) else torch.equal(on, off)
 
 
 def test_a_plain_call_runs_from_the_slot(slot):
@@ -63,8 +66,7 @@ class _Sub(md.MoELayer):
 
 
 @pytest.mark.parametrize("case", ["keywords", "four arguments", "module hook", "global hook",
-                                  "instance forward", "compile session", "subclass",
-                                  "3-D input", "declined"])
+                                  "instance forward", "compile session", "subclass", "declined"])
 def test_every_other_call_goes_to_the_python_call(slot, case, monkeypatch):
     with _entry_layer("decline" if case == "declined" else "run") as (backend, layer, w):
         x, tw, ids = random_routing(CFG, 4, seed=2)
@@ -83,21 +85,65 @@ def test_every_other_call_goes_to_the_python_call(slot, case, monkeypatch):
             monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
         elif case == "subclass":
             layer = _Sub(CFG).load_weights(**w).prepare()
-        elif case == "3-D input":
-            call = lambda: layer(x[None], tw, ids)  # noqa: E731
         try:
             (on, off), taken = _on_and_off(call)
         finally:
             if case == "global hook":
                 handle.remove()
-        assert taken == 0
-        assert on is off if isinstance(on, type) else torch.equal(on, off)
+        assert taken == 0 and _same(on, off)
         if case == "declined":  # the entry is asked once per call, never again by __call__
             assert backend.entry_calls == 2 and backend.apply_calls == 2
 
 
-def test_the_slot_reads_the_bucket_of_the_calls_token_count(slot):
+def test_a_plain_call_with_empty_keywords_runs_from_the_slot(slot):
     with _entry_layer() as (_, layer, _w):
+        args = random_routing(CFG, 3)
+        (on, off), taken = _on_and_off(lambda: layer(*args, **{}))
+        assert taken == 1 and _same(on, off)
+
+
+def test_an_entrys_exception_is_handled_as_in_the_python_call(slot):
+    """_entry_failed runs with the entry's exception as the one being handled, as in the
+    Python __call__'s except clause: what it raises has it as __context__, inside the
+    caller's own except clause too."""
+    with _entry_layer("raise") as (backend, layer, _):
+        x, tw, ids = random_routing(CFG, 3)
+        ids[0, 0] = 99  # the caller's error: InvalidArgumentError, no demotion
+
+        def inside_an_except():
+            try:
+                raise KeyError("the caller's own")
+            except KeyError:
+                return layer(x, tw, ids)
+
+        for call in (lambda: layer(x, tw, ids), inside_an_except):
+            (on, off), taken = _on_and_off(call)
+            assert on == off == (md.InvalidArgumentError, on[1], RuntimeError) and taken == 0
+        assert layer.demotions == ()
+
+
+class _Interrupting(EntryBackend):
+    def fast_call(self, state, guard):
+        def entry(x, tw, ids):
+            self.entry_calls += 1
+            raise KeyboardInterrupt
+        return entry
+
+
+def test_a_keyboard_interrupt_in_the_entry_propagates(slot):
+    backend = _Interrupting()
+    with md.use_registry(torch_and(md.BackendSpec("entry", 900, backend))):
+        layer = md.MoELayer(CFG).load_weights(**random_weights(CFG)).prepare()
+        for on in (True, False):
+            _call_slot.set_active(on)
+            with pytest.raises(KeyboardInterrupt):
+                layer(*random_routing(CFG, 2))
+        _call_slot.set_active(True)
+        assert backend.entry_calls == 2 and layer.demotions == () and layer.backend == "entry"
+
+
+def test_the_slot_reads_the_bucket_of_the_calls_token_count(slot):
+    with _entry_layer() as (backend, layer, _w):
         pair = layer.plan.natives[0]
         # buckets of 1 token, 2, 3-4 and 5 or more (the last clamps): two without an entry
         layer._plan = attrs.evolve(layer.plan, natives=(pair, None, pair, None))
@@ -106,6 +152,12 @@ def test_the_slot_reads_the_bucket_of_the_calls_token_count(slot):
             args = random_routing(CFG, tokens, seed=tokens)
             (on, off), taken = _on_and_off(lambda: layer(*args))
             assert torch.equal(on, off) and taken == taken_here, tokens
+        # not a 2-D tensor: no bucket, no entry (the Python path raises the shape error)
+        x, tw, ids = random_routing(CFG, 3)
+        calls = backend.entry_calls
+        (on, off), taken = _on_and_off(lambda: layer(x[None], tw, ids))
+        assert on == off and issubclass(on[0], md.MoEDispatchError)
+        assert taken == 0 and backend.entry_calls == calls
 
 
 def test_a_reassigned_call_takes_the_slot_out(slot):
@@ -120,13 +172,17 @@ def test_a_reassigned_call_takes_the_slot_out(slot):
 
         md.MoELayer.__call__ = patched
         try:
-            assert not _call_slot.active()
+            assert not _call_slot.active() and "was assigned since" in _call_slot.describe()
+            with pytest.raises(RuntimeError, match="not the one the slot was installed for"):
+                _call_slot.set_active(True)  # the slot would skip the patch
             before = _call_slot.taken()
             layer(*random_routing(CFG, 2))
             assert seen == [3] and _call_slot.taken() == before
         finally:
             del md.MoELayer.__call__
-        assert not _call_slot.active() and "not in use" in _call_slot.describe()
+        assert not _call_slot.active() and "switched off" in _call_slot.describe()
+        _call_slot.set_active(True)
+        assert _call_slot.active()
 
 
 def test_the_off_switch():
@@ -136,3 +192,31 @@ def test_the_off_switch():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout
     assert "off (MOE_DISPATCH_CALL_SLOT=0)" in out
+
+
+def test_a_keyboard_interrupt_while_the_slot_reads_the_call_propagates(slot):
+    """The slot reads x.shape for a bucket table, which a TorchFunctionMode sees: an
+    interrupt there propagates as it does from the Python __call__'s read of x.ndim."""
+    from torch.overrides import TorchFunctionMode
+
+    class _InterruptOnce(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.armed = True
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if self.armed and getattr(func, "__name__", "") == "__get__":
+                self.armed = False
+                raise KeyboardInterrupt
+            return func(*args, **(kwargs or {}))
+
+    with _entry_layer() as (backend, layer, _w):
+        pair = layer.plan.natives[0]
+        layer._plan = attrs.evolve(layer.plan, natives=(pair, None, pair, None))
+        args = random_routing(CFG, 3)
+        for on in (True, False):
+            _call_slot.set_active(on)
+            with _InterruptOnce(), pytest.raises(KeyboardInterrupt):
+                layer(*args)
+        _call_slot.set_active(True)
+        assert backend.entry_calls == 0
