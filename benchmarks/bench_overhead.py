@@ -6,7 +6,8 @@ Usage:
 At T=1 each candidate is timed in pairs with a baseline on the same prepared weights (the
 raw zentorch op, or the backend's apply; the order inside a pair alternates; rows are
 interleaved so the machine's drift hits all alike). Reported: the median of (candidate -
-baseline) in microseconds and of candidate / baseline. Rows, each adding one layer of the
+baseline) in microseconds and of candidate / baseline, each from two consecutive pairs run
+in opposite orders (_timing.balanced). Rows, each adding one layer of the
 real call path:
 
 - raw (control): the op called again, as a user would (`torch.ops.zentorch.zentorch_fused_moe`);
@@ -40,7 +41,7 @@ import time
 import torch
 
 import moe_dispatch as md
-from moe_dispatch._timing import time_pairs
+from moe_dispatch._timing import balanced, time_pairs
 from moe_dispatch.testing import random_inputs, random_weights
 
 from bench_backends import raw_zentorch
@@ -93,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             ("the layer's id range check (validates_ids=False)", checking, python_path)]
     inputs = random_inputs(config, 1, pool=8, seed=99)
     timed = time_pairs([(fn, base) for _, fn, base in rows], inputs, args.pairs)
-    diffs = [[(a - b) * 1e6 for a, b in zip(t_fn, t_base)] for t_fn, t_base in timed]
-    ratios = [[a / b for a, b in zip(t_fn, t_base)] for t_fn, t_base in timed]
+    # Each ratio and difference balanced over the two orders of a pair (_timing.balanced).
+    ratios = [balanced(t_fn, t_base)[0] for t_fn, t_base in timed]
+    diffs = [[d * 1e6 for d in balanced(t_fn, t_base)[1]] for t_fn, t_base in timed]
     base_ms = [b * 1e3 for b in timed[0][1]]
     print(f"{config.describe()}, T=1, {args.pairs} pairs per row; raw op median "
           f"{statistics.median(base_ms):.3f} ms")

@@ -17,7 +17,8 @@ sees). Per grid point it reports:
 - regret: each policy's time over the fastest candidate's (backends and raw kernels), as
   the median of per-round ratios;
 - the overhead at T=1 of every forced layer whose vendor kernel has a raw column: the layer
-  over the raw kernel, median of 1000 interleaved pairs;
+  over the raw kernel, median of 1000 interleaved pairs (each ratio balanced over a pair
+  run in each order, _timing.balanced);
 - the noise floor: a second layer forced to the priority choice (same kernel, same weights,
   other buffers) over the first, the same paired way: regrets within it are noise;
 - decode bandwidth (active expert bytes / time) and prefill GFLOP/s against this machine's
@@ -34,7 +35,7 @@ import time
 import torch
 
 import moe_dispatch as md
-from moe_dispatch._timing import CacheFlush, paired_ratio, time_pairs, time_rounds
+from moe_dispatch._timing import CacheFlush, balanced, paired_ratio, time_pairs, time_rounds
 from moe_dispatch.kernels import large_zeros
 from moe_dispatch.testing import random_inputs, random_weights
 
@@ -119,9 +120,10 @@ class DramRead:
 
 
 def overhead(layer: md.MoELayer, raw, config: md.MoEConfig, pairs: int = 1000) -> float:
-    """Median over interleaved pairs of (layer time / raw time) at T=1 (_bench.time_pairs)."""
+    """Median over interleaved pairs of (layer time / raw time) at T=1 (_timing.time_pairs),
+    each ratio balanced over the two orders of a pair (_timing.balanced)."""
     [(t_layer, t_raw)] = time_pairs([(layer, raw)], random_inputs(config, 1, pool=8, seed=99), pairs)
-    return statistics.median(a / b for a, b in zip(t_layer, t_raw))
+    return statistics.median(balanced(t_layer, t_raw)[0])
 
 
 def reps_for(tokens: int, reps: int) -> int:
@@ -201,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, raw in RAW_OF.items():
             if name in fns:
                 ov = overhead(fns[name], raws[raw], config)
-                lines.append(f"overhead at T=1 (median of 1000 interleaved pairs, MoELayer forced to "
+                lines.append(f"overhead at T=1 (median of 1000 interleaved pairs, balanced over both orders, MoELayer forced to "
                              f"{name} / {raw}): **{ov:.3f}**")
         lines.append("")
     text = "\n".join(lines)

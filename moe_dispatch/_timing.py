@@ -94,6 +94,22 @@ def time_pairs(rows: list[tuple[Runner, Runner]], inputs: list, pairs: int
     return out
 
 
+def balanced(t_fn: list[float], t_base: list[float]) -> tuple[list[float], list[float]]:
+    """Order-balanced ratios and differences of :func:`time_pairs`'s pairs: each from two
+    consecutive pairs, one run in each order (the geometric mean of their two ratios, the
+    mean of their two differences). Why: where the second call of a pair runs measurably
+    faster than the first (the first call warms the last-level cache for it), a pair's ratio
+    is high or low by its order, and the median of such a two-humped list lands anywhere
+    between the humps: on a Zen 5 (family 26, model 2) a raw kernel set against itself gave
+    1.00-1.16 at E=8 top-2 H=1024 I=1408 bf16 T=1 that way."""
+    ratios, diffs = [], []
+    for k in range(0, len(t_fn) - 1, 2):
+        a0, b0, a1, b1 = t_fn[k], t_base[k], t_fn[k + 1], t_base[k + 1]
+        ratios.append(((a0 / b0) * (a1 / b1)) ** 0.5)
+        diffs.append((a0 - b0 + a1 - b1) / 2)
+    return ratios, diffs
+
+
 def paired_ratio(samples: dict[str, list[float]], name: str, baseline: str) -> float:
     """Median over rounds of ``name``'s time over ``baseline``'s in the same round."""
     return statistics.median(a / b for a, b in zip(samples[name], samples[baseline]))
