@@ -81,6 +81,22 @@ void block_dots(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in
   const bool per_row = p.group >= p.kp;
   for (int64_t u = 0; u < in.units; ++u) {
     const int64_t k0 = u * in.unit, k1 = std::min(p.kp, k0 + in.unit), g = k0 / p.group;
+    // The next pair's scales of this group, a pair ahead: with weight groups each block of a
+    // pair reads a stream of scales of its own beside the pair's weights (at int4 g32, GGUF
+    // Q4_0's blocks, 32 bytes of fp16 scales per 256 bytes of weights), which a cold call
+    // otherwise waits for. Measured on a Zen 5 (family 26, model 2; 2 threads, cold, paired
+    // calls in one process, C2 and C1 at T=1-8, three runs): int4 g32 0.88-0.95x of the time
+    // without it; g128 0.96-1.05x. Zero points (int4 with zeros) are not prefetched.
+    if (!per_row && b0 + 2 < p.blocks) {
+      const int64_t i2 = p.at(e, b0 + 2, g), i3 = p.at(e, b0 + 3, g);
+      if (p.s16) {
+        _mm_prefetch(reinterpret_cast<const char*>(p.s16 + i2), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p.s16 + i3), _MM_HINT_T0);
+      } else {
+        _mm_prefetch(reinterpret_cast<const char*>(p.s32 + i2), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p.s32 + i3), _MM_HINT_T0);
+      }
+    }
     __m512i a[R][N], z[R];  // z: the rows' zero points of this unit, loaded once for all inputs
 #pragma GCC unroll 2
     for (int r = 0; r < R; ++r) z[r] = p.z ? p.zero(e, b0 + r, g) : _mm512_setzero_si512();
