@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--pairs", type=int, default=1000, help="pairs per candidate")
     args = p.parse_args(argv)
+    if args.pairs < 2:  # each ratio is balanced over two pairs (_timing.balanced)
+        p.error(f"--pairs: at least 2, got {args.pairs}")
     config = md.MoEConfig(**CONFIGS[args.config], dtype=getattr(torch, args.dtype))
     layer = md.MoELayer(config).load_weights(**random_weights(config)).prepare()
     if layer.backend != "zentorch":

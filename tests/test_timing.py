@@ -54,3 +54,18 @@ def test_balanced_of_a_runner_against_itself_is_one(monkeypatch):
     assert all(d == pytest.approx(0.0, abs=1e-12) for d in diffs)
     # The plain median of the two-humped list is not one: it is the mean of the two humps.
     assert statistics.median(a / b for a, b in zip(t_fn, t_base)) == pytest.approx((1.0 / 1.3 + 1.3 / 1.0) / 2)
+
+
+def test_balanced_with_several_rows_and_an_odd_count(monkeypatch):
+    # Rows interleaved: each row's pairs still alternate their order, so every row's balanced
+    # ratios are its own; an odd last pair (no partner in the other order) is left out.
+    clock = Clock()
+    monkeypatch.setattr(_timing, "time", clock)
+    rows = [(clock.runner(2.0e-3, 0.4e-3), clock.runner(1.0e-3, 0.4e-3)),
+            (clock.runner(1.0e-3, 0.2e-3), clock.runner(1.0e-3, 0.2e-3))]
+    timed = _timing.time_pairs(rows, [()], 7)
+    (r0, d0), (r1, d1) = (_timing.balanced(*t) for t in timed)
+    assert len(r0) == len(r1) == 3
+    assert all(r == pytest.approx(((2.4 / 1.0) * (2.0 / 1.4)) ** 0.5) for r in r0)
+    assert all(d == pytest.approx(1.0e-3) for d in d0)
+    assert all(r == pytest.approx(1.0) for r in r1)
