@@ -49,7 +49,8 @@ inline void BlockInputs::set(int64_t i, const float* v, int64_t len) {
 inline __m512i bcast4(const int8_t* p) { return _mm512_set1_epi32(four(p)); }
 
 // Software prefetch of a pair's stream, this far ahead (past the pair's end into the next
-// pair of the thread's share), 512 bytes per 4 steps of int4 / 16 values of int8. Why: as in
+// pair in memory: the thread's next one, except at the end of its range of an expert's
+// blocks), 512 bytes per 4 steps of int4 / 16 values of int8. Why: as in
 // the avx2 build (blocks_avx2.h), a cold call otherwise computes and waits for memory in
 // turn. Measured on a Zen 5 (family 26, model 2; 2 threads, cold, paired calls in one
 // process, C2 and C1 at T=1-8): with it 0.92-0.98x of the time without it; 4096 bytes ahead

@@ -1,0 +1,42 @@
+"""The benchmark scripts run against the current framework (benchmarks/): each smoke test
+calls a script's main() on its smallest settings and checks what it printed, so that an
+internal API change that breaks a script fails here, not in the next person's measurement."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers import ZENTORCH_OK, ZENTORCH_WHY
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture
+def benchmarks_on_path(monkeypatch):
+    # The scripts import each other (bench_backends, bench_perf) as top-level modules.
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+
+
+@pytest.mark.skipif(not ZENTORCH_OK, reason=f"zentorch backend unavailable: {ZENTORCH_WHY}")
+@pytest.mark.usefixtures("benchmarks_on_path")
+def test_bench_overhead_runs_each_row(capsys):
+    import bench_overhead
+
+    assert bench_overhead.main(["--config", "C1", "--dtype", "float32", "--pairs", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "|" in line[2:]]
+    labels = [row.split("|")[1].strip() for row in rows]
+    for label in ("raw op (control)", "MoELayer", "MoELayer without the native entry",
+                  "the layer's id range check (validates_ids=False)", "after a 3 ms sleep"):
+        assert label in labels, (label, out)
+
+
+@pytest.mark.usefixtures("benchmarks_on_path")
+def test_bench_overhead_needs_two_pairs(capsys):
+    import bench_overhead
+
+    with pytest.raises(SystemExit):
+        bench_overhead.main(["--pairs", "1"])
+    assert "--pairs: at least 2, got 1" in capsys.readouterr().err
