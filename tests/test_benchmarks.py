@@ -40,3 +40,23 @@ def test_bench_overhead_needs_two_pairs(capsys):
     with pytest.raises(SystemExit):
         bench_overhead.main(["--pairs", "1"])
     assert "--pairs: at least 2, got 1" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("benchmarks_on_path")
+def test_bench_ceiling_prints_a_row_per_format_and_token_count(capsys):
+    import bench_ceiling
+    from moe_dispatch_backends.native import kernel
+
+    import moe_dispatch as md
+
+    isa, why = kernel.isa_for(md.Capabilities.detect())
+    if isa is None or kernel.load(isa) is None:
+        pytest.skip(f"the native kernel does not run here: {why}")
+    assert bench_ceiling.main(["--config", "C1", "--tokens", "1,2", "--formats", "int8,int4g32",
+                               "--reps", "2"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| C1 |")]
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [
+        ("int8", "1"), ("int4g32", "1"), ("int8", "2"), ("int4g32", "2")]
+    for row in rows:  # every time and share a positive number
+        assert all(float(v.strip().rstrip("x%")) > 0 for v in row[3:]), row

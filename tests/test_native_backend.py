@@ -463,3 +463,36 @@ def test_activations_hold_where_exp_saturates(build, scheme, activation):
     bound = TOLERANCE[torch.bfloat16] if scheme is None else ERROR_BOUND
     for t in range(4):  # each token on its own: the largest would hide the others' errors
         assert rel_error(layer(x[t:t + 1], tw[t:t + 1], ids[t:t + 1]), want[t:t + 1]) <= bound, t
+
+
+@pytest.mark.parametrize("sizes", [[64 * 7], [4096, 192], [0, 128, 640], [1 << 16]], ids=str)
+def test_read_steps_reads_every_byte_asked(build, sizes):
+    """benchmarks/bench_ceiling.py's plain read (kernel.cpp, read_steps): the XOR of the 64-bit
+    words of exactly bytes [0, sum(sizes)), segment after segment, on every thread count."""
+    import numpy as np
+
+    module = kernel.load(build)
+    t = torch.randint(0, 256, (1 << 17,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    n = sum(sizes)
+    want = int(np.bitwise_xor.reduce(t[:n].numpy().view(np.uint64))) if n else 0
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            seconds, fold = module.read_steps(t, sizes)
+            assert fold == want and seconds > 0, threads
+    finally:
+        torch.set_num_threads(before)
+    t[n:] = 0  # bytes past the sizes are not read: changing them changes nothing
+    assert module.read_steps(t, sizes)[1] == want
+
+
+def test_read_steps_names_what_it_accepts(build):
+    module = kernel.load(build)
+    t = torch.zeros(1024, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="multiples of 64 bytes, got 65"):
+        module.read_steps(t, [65])
+    with pytest.raises(RuntimeError, match="2048 bytes asked of a tensor of 1024"):
+        module.read_steps(t, [1024, 1024])
+    with pytest.raises(RuntimeError, match="contiguous uint8 CPU tensor, got Float"):
+        module.read_steps(t.float(), [64])
