@@ -469,12 +469,15 @@ def test_activations_hold_where_exp_saturates(build, scheme, activation):
 def test_read_steps_reads_every_byte_asked(build, sizes):
     """benchmarks/bench_ceiling.py's plain read (kernel.cpp, read_steps): the XOR of the 64-bit
     words of exactly bytes [0, sum(sizes)), segment after segment, on every thread count."""
-    import numpy as np
-
     module = kernel.load(build)
     t = torch.randint(0, 256, (1 << 17,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     n = sum(sizes)
-    want = int(np.bitwise_xor.reduce(t[:n].numpy().view(np.uint64))) if n else 0
+    words = t[:n].view(torch.int64)
+    while words.numel() > 1:  # XOR-fold in halves (torch has no XOR reduction)
+        if words.numel() % 2:
+            words = torch.cat([words, words.new_zeros(1)])
+        words = torch.bitwise_xor(words[0::2], words[1::2])
+    want = int(words[0]) % (1 << 64) if n else 0
     before = torch.get_num_threads()
     try:
         for threads in (1, 2, 3):
@@ -483,16 +486,22 @@ def test_read_steps_reads_every_byte_asked(build, sizes):
             assert fold == want and seconds > 0, threads
     finally:
         torch.set_num_threads(before)
-    t[n:] = 0  # bytes past the sizes are not read: changing them changes nothing
-    assert module.read_steps(t, sizes)[1] == want
+    t[n:].random_(0, 256, generator=torch.Generator().manual_seed(4))  # bytes past the sizes:
+    assert module.read_steps(t, sizes)[1] == want                     # never read
 
 
 def test_read_steps_names_what_it_accepts(build):
     module = kernel.load(build)
     t = torch.zeros(1024, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="multiples of 64 bytes, got 65"):
-        module.read_steps(t, [65])
-    with pytest.raises(RuntimeError, match="2048 bytes asked of a tensor of 1024"):
-        module.read_steps(t, [1024, 1024])
-    with pytest.raises(RuntimeError, match="contiguous uint8 CPU tensor, got Float"):
+    for sizes in ([65], [-64]):
+        with pytest.raises(RuntimeError, match=f"non-negative multiples of 64 bytes, got {sizes[0]}"):
+            module.read_steps(t, sizes)
+    for sizes in ([1024, 1024], [1 << 62] * 4):  # the second sums to 0 in int64
+        with pytest.raises(RuntimeError, match="more bytes asked than the tensor's 1024"):
+            module.read_steps(t, sizes)
+    with pytest.raises(RuntimeError, match="a uint8 tensor, got Float"):
         module.read_steps(t.float(), [64])
+    with pytest.raises(RuntimeError, match=r"not contiguous"):
+        module.read_steps(torch.zeros(64, 2, dtype=torch.uint8).t(), [64])
+    with pytest.raises(RuntimeError, match="aligned to 8 bytes"):
+        module.read_steps(t[1:], [64])

@@ -31,7 +31,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -43,6 +42,7 @@
 
 #include "dots.h"
 #include "forward_blocks.h"
+#include "read.h"
 #include "team.h"
 
 namespace {
@@ -223,45 +223,6 @@ class FastCall {
   bool on_input_;
   moe_dispatch::PlainSpec spec_;
 };
-
-// The memory's part of a call, without the kernel: bytes [0, sum(sizes)) of a uint8 tensor
-// read with plain loads by the kernel's team, segment after segment with a barrier between
-// (as steps 2 and 4 read w13, then w2), each segment split into one contiguous range per
-// thread (Team::share, 64-byte lines). Returns the seconds the team took, timed here (no
-// Python call around it), and the XOR of the bytes' 64-bit words (so the loads stay, and a
-// test can see they were read). benchmarks/bench_ceiling.py sets each call of the kernel
-// against this read of its own active bytes: what a call of those bytes could take at best.
-std::pair<double, uint64_t> read_steps(const at::Tensor& t, const std::vector<int64_t>& sizes) {
-  TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.is_cpu(),
-              "read_steps: a contiguous uint8 CPU tensor, got ", t.scalar_type());
-  int64_t total = 0;
-  for (const int64_t n : sizes) {
-    TORCH_CHECK(n >= 0 && n % 64 == 0, "read_steps: sizes are multiples of 64 bytes, got ", n);
-    total += n;
-  }
-  TORCH_CHECK(total <= t.numel(), "read_steps: ", total, " bytes asked of a tensor of ", t.numel());
-  const auto* base = reinterpret_cast<const uint64_t*>(t.const_data_ptr<uint8_t>());
-  std::vector<uint64_t> folds(std::max(1, at::get_num_threads()), 0);
-  py::gil_scoped_release no_gil;
-  const auto t0 = std::chrono::steady_clock::now();
-  in_team([&](const Team& team) {
-    int64_t offset = 0;  // of the segment
-    for (const int64_t n : sizes) {
-      team.step([&] {
-        const auto [lo, hi] = team.share(n / 64);
-        uint64_t acc[8] = {};
-        for (const uint64_t* w = base + (offset / 64 + lo) * 8, *end = base + (offset / 64 + hi) * 8; w < end; w += 8)
-          for (int l = 0; l < 8; ++l) acc[l] ^= w[l];
-        for (int l = 0; l < 8; ++l) folds[team.id] ^= acc[l];
-      });
-      offset += n;
-    }
-  });
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  uint64_t fold = 0;
-  for (const uint64_t f : folds) fold ^= f;
-  return {seconds, fold};
-}
 
 }  // namespace
 
