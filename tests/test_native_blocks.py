@@ -155,9 +155,19 @@ def test_eight_threads_agree_with_the_serial_result(build):
 
 
 # -- the layout (no kernel: everywhere) ----------------------------------------------------
+def _stream(p: _pack.Packed, e: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A projection's pairs' streams split into their scales [E, pairs, G, 2, 16] (as the
+    scales' dtype) and their steps' bytes [E, pairs, Kp * bytes per value] in K order."""
+    groups, dtype = p.scales.shape[2], p.scales.dtype
+    head = 2 * 16 * p.scales.element_size()
+    s = p.q.view(e, rows // 32, groups, -1)
+    scales = s[..., :head].contiguous().view(dtype).view(e, rows // 32, groups, 2, 16)
+    return scales, s[..., head:].reshape(e, rows // 32, -1)
+
+
 def _unblock(p: _pack.Packed, bits: int, e: int, rows: int, kp: int) -> torch.Tensor:
     """The blocked bytes back to [E, rows, Kp] values (int8: signed; int4: u in 0..15)."""
-    q = p.q.view(e, rows // 32, -1)
+    q = _stream(p, e, rows)[1]
     if bits == 8:  # [pairs, steps, 2, 16, 4] -> [pairs, 2, 16, steps, 4]
         v = q.view(e, rows // 32, kp // 4, 2, 16, 4).permute(0, 1, 3, 4, 2, 5).to(torch.int16) - 128
         return v.reshape(e, rows, kp)
@@ -185,6 +195,9 @@ def test_the_blocked_layout_holds_the_canonical_values_scales_and_zeros(scheme, 
         scales = p.scales.transpose(2, 3).reshape(e, rows, g)
         assert torch.equal(scales[:, valid], t.scales.to(scales.dtype)[:, order[valid]])
         assert not scales[:, ~valid].any()  # padding rows: zero scales
+        # ... and the stream holds them: per pair and group, block 2p's 16, then 2p + 1's
+        streamed = _stream(p, e, rows)[0]  # [E, pairs, G, 2, 16]
+        assert torch.equal(streamed.permute(0, 1, 3, 4, 2).reshape(e, rows, g), scales)
         if t.zeros is not None:
             assert torch.equal(p.zeros.transpose(2, 3).reshape(e, rows, g)[:, valid], t.zeros[:, order[valid]])
     gate_up = _pack.w13_rows(cfg)[:32].tolist()  # units 0..15: gate rows, then up rows

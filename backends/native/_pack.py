@@ -4,7 +4,7 @@ bf16 weights keep their rows ``[E, N, K]`` as stored, the reduction axis K padde
 to a multiple of 32 (the inputs are zero there too, so the padding adds exactly nothing).
 
 int8 and int4 weights go in blocks of 16 rows (``pack_blocked``; ``blocks_quant.h`` reads
-them), ``[E, blocks, bytes]``, K padded the same way: per block and per 4 values of K (a
+them), K padded the same way: per block and per 4 values of K (a
 step), 64 bytes hold the 16 rows' 4 values (row r's at bytes 4r..4r+3), so that one load
 feeds a ``vpdpbusd`` for 16 rows at once (the avx2 build reads each 64 bytes as two halves
 of 8 rows, ``maddubs`` then ``madd``); int4 values (u, 0..15) pair two steps in one 64
@@ -12,7 +12,10 @@ bytes, the first in the low nibbles. int8 values are stored + 128 (``vpdpbusd``'
 operand; the avx2 build flips them back to signed). Blocks go in pairs (2p, 2p + 1),
 interleaved step by step (block 2p's 64 bytes, then block 2p + 1's), so that the kernel,
 which reads a pair at once, reads one stream: two streams 32 KB apart made C2 decode 10-20%
-slower on a Zen 4. Scales and zero points are ``[E, blocks, G, 16]``. w13's blocks alternate gate and up rows of 16 intermediate units
+slower on a Zen 4. The scales go in the same stream, ``[E, pairs, G, scales + steps]``: per
+weight group (one group: per channel), the pair's 2 x 16 scales (fp16 or fp32, block 2p's
+first), then the group's steps (``blocks_quant.h`` says why). Zero points stay
+``[E, blocks, G, 16]``. w13's blocks alternate gate and up rows of 16 intermediate units
 (block 2j: gate rows of units 16j..16j+15, block 2j + 1: their up rows), whatever the
 canonical row order of the activation; rows past the end (to whole pairs of blocks) are
 zero padding.
@@ -44,7 +47,9 @@ def padded(k: int) -> int:
 
 @attrs.frozen(slots=True, eq=False)
 class Packed:
-    """One projection in the kernel's layout (the constructor arguments of ``Experts``)."""
+    """One projection in the kernel's layout (the constructor arguments of ``Experts``):
+    blocked, ``q`` holds the scales too, and ``scales`` is their ``[E, blocks, G, 16]`` view
+    for the constructor's checks (not kept)."""
 
     q: torch.Tensor
     scales: torch.Tensor | None = None
@@ -53,8 +58,8 @@ class Packed:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.zeros)
-                   if t is not None)
+        """The bytes the kernel keeps."""
+        return sum(t.numel() * t.element_size() for t in (self.q, self.zeros) if t is not None)
 
 
 def _pad_k(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -96,19 +101,12 @@ def _rows_of(t: torch.Tensor, order: torch.Tensor, width: int | None = None) -> 
 
 
 def pack_blocked(t: md.QuantizedTensor, order: torch.Tensor) -> Packed:
-    """One projection in the blocked layout (module docstring)."""
+    """One projection in the blocked layout (module docstring): ``q`` the pairs' streams,
+    ``scales`` the same scales as ``[E, blocks, G, 16]`` (checked by the kernel's
+    constructor, which keeps only the stream)."""
     e, _, k = t.shape
     s, kp, blocks = t.scheme, padded(k), order.numel() // ROWS
-    q = md.kernels.large_zeros((e, blocks, kp * ROWS // (2 if s.bits == 4 else 1)), torch.uint8)
-    for i in range(e):  # one expert at a time: its values widened are 2x-4x its bytes
-        u = _rows_of(t.stored(i, torch.int16), order, kp)
-        # [pairs of blocks, 2, 16 rows, steps, 4] -> [pairs, steps, 2, 16, 4]
-        if s.bits == 8:
-            v = (u + 128).view(blocks // 2, 2, ROWS, kp // 4, 4).permute(0, 3, 1, 2, 4)
-        else:
-            v = u.view(blocks // 2, 2, ROWS, kp // 8, 2, 4)
-            v = (v[..., 0, :] | (v[..., 1, :] << 4)).permute(0, 3, 1, 2, 4)
-        q[i] = v.reshape(blocks, -1).to(torch.uint8)
+    pairs, per_value = blocks // 2, 2 * ROWS // (2 if s.bits == 4 else 1)  # bytes of a pair per K value
 
     def grouped(x: torch.Tensor) -> torch.Tensor:  # [E, N, G] -> [E, blocks, G, 16]
         g = x.shape[-1]
@@ -116,7 +114,23 @@ def pack_blocked(t: md.QuantizedTensor, order: torch.Tensor) -> Packed:
 
     scales = grouped(t.scales.to(torch.float32) if s.group_size is None else t.scales)
     zeros = None if t.zeros is None else grouped(t.zeros)
-    group = kp if s.group_size is None else s.group_size
+    groups, group = scales.shape[2], kp if s.group_size is None else s.group_size
+    values = min(group, kp)  # per group
+    head = 2 * ROWS * scales.element_size()  # the pair's scales of one group
+    q = md.kernels.large_zeros((e, pairs, groups * (head + values * per_value)), torch.uint8)
+    stream = q.view(e, pairs, groups, head + values * per_value)
+    # [E, pairs, 2, G, 16] -> [E, pairs, G, 2, 16]: per group, block 2p's 16, then 2p + 1's
+    stream[..., :head] = scales.view(e, pairs, 2, groups, ROWS).transpose(2, 3).reshape(
+        e, pairs, groups, 2 * ROWS).view(torch.uint8)
+    for i in range(e):  # one expert at a time: its values widened are 2x-4x its bytes
+        u = _rows_of(t.stored(i, torch.int16), order, kp)
+        # [pairs of blocks, 2, 16 rows, steps, 4] -> [pairs, steps, 2, 16, 4]
+        if s.bits == 8:
+            v = (u + 128).view(pairs, 2, ROWS, kp // 4, 4).permute(0, 3, 1, 2, 4)
+        else:
+            v = u.view(pairs, 2, ROWS, kp // 8, 2, 4)
+            v = (v[..., 0, :] | (v[..., 1, :] << 4)).permute(0, 3, 1, 2, 4)
+        stream[i, :, :, head:] = v.reshape(pairs, groups, -1).to(torch.uint8)
     return Packed(q, scales, zeros, group // BLOCK)
 
 

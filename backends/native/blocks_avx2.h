@@ -122,7 +122,6 @@ void int4_block_dots_avx2(const BlockProj& p, int64_t e, int64_t b0, const Block
     xsum[j] = in.sum.data() + idx[j] * in.units;
     xs[j] = in.s.data() + idx[j] * in.groups;
   }
-  const uint8_t* w = p.block(e, b0);  // step k (8 values): block b0's 64 bytes, then b0 + 1's
   const __m256i m = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const bool per_row = p.group >= p.kp;
   const int wshift = per_row ? 0 : __builtin_ctzll(static_cast<uint64_t>(p.group));
@@ -133,6 +132,14 @@ void int4_block_dots_avx2(const BlockProj& p, int64_t e, int64_t b0, const Block
   for (int64_t u = 0; u < in.units; ++u) {
     const int64_t k0 = u * in.unit, k1 = std::min(p.kp, k0 + in.unit);
     const int64_t g = per_row ? 0 : k0 >> wshift;
+    // The unit's steps in the pair's stream: step k (8 values) at (k - k0) * 16, block b0's
+    // 64 bytes, then b0 + 1's; the unit's stream kAhead ahead (layout.h), past the pair's end
+    // into the next pair, which a thread's share reads next. Why: the blocks cost more
+    // arithmetic per byte than bf16, and without it a cold call computed and waited for
+    // memory in turn (Zen 3, 2 threads: 0.85-0.95x of the time without it at C1 and C2
+    // T=1-16).
+    const uint8_t* w = p.weights(e, b0, g, k0);
+    prefetch_unit(p, w, g, k0, k1, kAhead);
     __m256i a[kHalves][N];
     for (int j = 0; j < N; ++j) {
       if constexpr (kZeros) {
@@ -144,22 +151,17 @@ void int4_block_dots_avx2(const BlockProj& p, int64_t e, int64_t b0, const Block
       }
     }
     for (int64_t k = k0; k < k1; k += 32) {  // chunks of 4 steps (kp is a multiple of 32)
-      // The chunk's 512 bytes kAhead ahead (layout.h), past the pair's end into the next
-      // pair, which a thread's share reads next. Why: the blocks cost more arithmetic per
-      // byte than bf16, and without it a cold call computed and waited for memory in turn
-      // (Zen 3, 2 threads: 0.85-0.95x of the time without it at C1 and C2 T=1-16).
-      for (int l = 0; l < 8; ++l) prefetch(w + k * 16 + l * 64);
       __m256i s16[kHalves][N];
       for (int i = 0; i < kHalves; ++i)
         for (int j = 0; j < N; ++j) s16[i][j] = _mm256_setzero_si256();
 #pragma GCC unroll 1
       for (int64_t t = 0; t < 4; ++t) {  // not unrolled: GCC then hoists the 32 maddubs and spills them
-        const int64_t kk = k + 8 * t;
+        const int64_t kk = k + 8 * t, pos = (kk - k0) * 16;
         __m256i xa[N], xb[N];
         for (int j = 0; j < N; ++j) xa[j] = _mm256_set1_epi32(four(x[j] + kk)), xb[j] = _mm256_set1_epi32(four(x[j] + kk + 4));
 #pragma GCC unroll 4
         for (int i = 0; i < kHalves; ++i) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kk * 16 + i * 32));
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + pos + i * 32));
           const __m256i lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
           for (int j = 0; j < N; ++j)
             s16[i][j] = _mm256_add_epi16(s16[i][j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[j]),
@@ -190,7 +192,6 @@ void int8_block_dots_avx2(const BlockProj& p, int64_t e, int64_t b0, const Block
   const int8_t* x[N];
   const float* xs[N];
   for (int j = 0; j < N; ++j) x[j] = in.q.data() + idx[j] * in.kp, xs[j] = in.s.data() + idx[j] * in.groups;
-  const uint8_t* w = p.block(e, b0);  // step k (4 values): block b0's 64 bytes, then b0 + 1's
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   const bool per_row = p.group >= p.kp;
   const int wshift = per_row ? 0 : __builtin_ctzll(static_cast<uint64_t>(p.group));
@@ -199,24 +200,26 @@ void int8_block_dots_avx2(const BlockProj& p, int64_t e, int64_t b0, const Block
   for (int i = 0; i < kHalves; ++i)
     for (int j = 0; j < N; ++j) f[i][j] = _mm256_setzero_ps();
   for (int64_t u = 0; u < in.units; ++u) {
-    const int64_t k0 = u * in.unit, k1 = std::min(p.kp, k0 + in.unit);
+    const int64_t k0 = u * in.unit, k1 = std::min(p.kp, k0 + in.unit), g = per_row ? 0 : k0 >> wshift;
+    // The unit's steps: step k (4 values) at (k - k0) * 32, block b0's 64 bytes, then b0 + 1's;
+    // the unit's stream kAhead ahead, as for int4 above.
+    const uint8_t* w = p.weights(e, b0, g, k0);
+    prefetch_unit(p, w, g, k0, k1, kAhead);
     __m256i a[kHalves][N];
     for (int i = 0; i < kHalves; ++i)
       for (int j = 0; j < N; ++j) a[i][j] = _mm256_setzero_si256();
     for (int64_t k = k0; k < k1; k += 4) {
-      if ((k & 15) == 0)  // 512 bytes kAhead ahead, once per 4 steps (blocks of int4 above)
-        for (int l = 0; l < 8; ++l) prefetch(w + k * 32 + l * 64);
       __m256i xb[N];
       for (int j = 0; j < N; ++j) xb[j] = _mm256_set1_epi32(four(x[j] + k));
 #pragma GCC unroll 4
       for (int i = 0; i < kHalves; ++i) {
-        const __m256i v = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 32 + i * 32)), flip);
+        const __m256i v = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k - k0) * 32 + i * 32)), flip);
         const __m256i mag = _mm256_abs_epi8(v);
         for (int j = 0; j < N; ++j)
           a[i][j] = _mm256_add_epi32(a[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(xb[j], v)), ones));
       }
     }
-    scale_unit<N>(p, e, b0, per_row ? 0 : k0 >> wshift, xs, k0 >> xshift, a, f);
+    scale_unit<N>(p, e, b0, g, xs, k0 >> xshift, a, f);
   }
   store_pair<N>(p, e, b0, f, n, q0, o);
 }

@@ -50,16 +50,12 @@ inline __m512i bcast4(const int8_t* p) { return _mm512_set1_epi32(four(p)); }
 
 // Software prefetch of a pair's stream, this far ahead (past the pair's end into the next
 // pair in memory: the thread's next one, except at the end of its range of an expert's
-// blocks), 512 bytes per 4 steps of int4 / 16 values of int8. Why: as in
-// the avx2 build (blocks_avx2.h), a cold call otherwise computes and waits for memory in
-// turn. Measured on a Zen 5 (family 26, model 2; 2 threads, cold, paired calls in one
-// process, C2 and C1 at T=1-8): with it 0.92-0.98x of the time without it; 4096 bytes ahead
-// 0.95-1.01x of 2048's time for int4 (int8 alike), 1024 1.00-1.06x; 8192 mixed (0.94-1.07x).
+// blocks), a unit at a time (blocks_quant.h, prefetch_unit). Why: as in the avx2 build
+// (blocks_avx2.h), a cold call otherwise computes and waits for memory in turn. Measured on a
+// Zen 5 (family 26, model 2; 2 threads, cold, paired calls in one process, C2 and C1 at
+// T=1-8): without it 1.01-1.25x of the time in int4; 4096 bytes ahead 0.95-1.01x of 2048's
+// time for int4 (int8 alike), 1024 1.00-1.06x; 8192 mixed (0.94-1.07x).
 constexpr int64_t kBlockAhead = 4096;
-
-inline void prefetch_block(const uint8_t* p) {
-  for (int l = 0; l < 8; ++l) _mm_prefetch(reinterpret_cast<const char*>(p) + kBlockAhead + l * 64, _MM_HINT_T0);
-}
 
 // The pair of blocks b0, b0 + 1 (b0 even, read as _pack.py interleaves them) of expert e
 // dotted with the N inputs idx[], into o[(r * N + n) * 16 + lane] (fp32, scaled). Inlined
@@ -72,8 +68,6 @@ void block_dots(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in
   const uint8_t* w[R];
 #pragma GCC unroll 6
   for (int n = 0; n < N; ++n) x[n] = in.q.data() + idx[n] * in.kp;
-#pragma GCC unroll 2
-  for (int r = 0; r < R; ++r) w[r] = p.block(e, b0) + r * 64;  // the pair's blocks interleave
   __m512 f[R][N];
 #pragma GCC unroll 2
   for (int r = 0; r < R; ++r)
@@ -82,22 +76,9 @@ void block_dots(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in
   const bool per_row = p.group >= p.kp;
   for (int64_t u = 0; u < in.units; ++u) {
     const int64_t k0 = u * in.unit, k1 = std::min(p.kp, k0 + in.unit), g = k0 / p.group;
-    // The next pair's scales of this group, a pair ahead: with weight groups each block of a
-    // pair reads a stream of scales of its own beside the pair's weights (at int4 g32, GGUF
-    // Q4_0's blocks, 32 bytes of fp16 scales per 256 bytes of weights), which a cold call
-    // otherwise waits for. Measured on a Zen 5 (family 26, model 2; 2 threads, cold, paired
-    // calls in one process, C2 and C1 at T=1-8, three runs): int4 g32 0.88-0.95x of the time
-    // without it; g128 0.96-1.05x. Zero points (int4 with zeros) are not prefetched.
-    if (!per_row && b0 + 2 < p.blocks) {
-      const int64_t i2 = p.at(e, b0 + 2, g), i3 = p.at(e, b0 + 3, g);
-      if (p.s16) {
-        _mm_prefetch(reinterpret_cast<const char*>(p.s16 + i2), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(p.s16 + i3), _MM_HINT_T0);
-      } else {
-        _mm_prefetch(reinterpret_cast<const char*>(p.s32 + i2), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(p.s32 + i3), _MM_HINT_T0);
-      }
-    }
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) w[r] = p.weights(e, b0, g, k0) + r * 64;  // the pair's blocks interleave
+    prefetch_unit(p, w[0], g, k0, k1, kBlockAhead);
     __m512i a[R][N], z[R];  // z: the rows' zero points of this unit, loaded once for all inputs
 #pragma GCC unroll 2
     for (int r = 0; r < R; ++r) z[r] = p.z ? p.zero(e, b0 + r, g) : _mm512_setzero_si512();
@@ -112,10 +93,9 @@ void block_dots(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in
     if constexpr (kInt4) {
 #pragma GCC unroll 2
       for (int64_t k = k0; k < k1; k += 8) {  // two steps per 64 bytes: low nibbles, high
-        if ((k & 31) == 0) prefetch_block(w[0] + k * 16);  // the pair's next 512 bytes
 #pragma GCC unroll 2
         for (int r = 0; r < R; ++r) {
-          const __m512i v = _mm512_loadu_si512(w[r] + k * 16);
+          const __m512i v = _mm512_loadu_si512(w[r] + (k - k0) * 16);
           const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
           const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
 #pragma GCC unroll 6
@@ -128,10 +108,9 @@ void block_dots(const BlockProj& p, int64_t e, int64_t b0, const BlockInputs& in
     } else {
 #pragma GCC unroll 4
       for (int64_t k = k0; k < k1; k += 4) {
-        if ((k & 15) == 0) prefetch_block(w[0] + k * 32);
 #pragma GCC unroll 2
         for (int r = 0; r < R; ++r) {
-          const __m512i v = _mm512_loadu_si512(w[r] + k * 32);
+          const __m512i v = _mm512_loadu_si512(w[r] + (k - k0) * 32);
 #pragma GCC unroll 6
           for (int n = 0; n < N; ++n) a[r][n] = _mm512_dpbusd_epi32(a[r][n], v, bcast4(x[n] + k));
         }

@@ -121,7 +121,7 @@ inline at::Tensor forward_blocks(const BlockLayer& L, const Routing& r, const at
   in_team([&](const Team& team) {
     team.step([&] {  // 1. inputs.
       if (team.id == 0)  // an item reads two blocks
-        items.init(team, static_cast<int64_t>(r.active.size()) * jb, 2 * L.w13.block_bytes);
+        items.init(team, static_cast<int64_t>(r.active.size()) * jb, L.w13.pair_bytes);
       each_input(r, x, L.hidden, team.share(r.sources()),
                  [&](int64_t s, const float* v) { xin.set(s, v, L.hidden); });
     });
