@@ -505,3 +505,21 @@ def test_read_steps_names_what_it_accepts(build):
         module.read_steps(torch.zeros(64, 2, dtype=torch.uint8).t(), [64])
     with pytest.raises(RuntimeError, match="aligned to 8 bytes"):
         module.read_steps(t[1:], [64])
+
+
+def test_blocked_weights_of_the_wrong_layout_are_refused(build):
+    """The kernel's constructor checks the pairs' streams against the scales' groups: weights
+    packed without the scales in the stream (each pair its steps alone) are refused by name."""
+    from moe_dispatch_backends.native import _pack
+
+    cfg = _cfg(md.QuantScheme("int4", group_size=32))
+    w = random_weights(cfg, seed=1)
+    qe = md.quantize_experts(w["w13"].float(), w["w2"].float(), cfg.weight_scheme)
+    args = list(_pack.experts_args(cfg, md.LayerWeights(cfg, qe.w13.qweight, qe.w2.qweight, quantized=qe)))
+    module = kernel.load(build)
+    module.Experts(*args)  # as packed: accepted
+    e, pairs, _ = args[5].shape
+    head = 2 * 16 * args[6].element_size()
+    args[5] = args[5].view(e, pairs, args[6].shape[2], -1)[..., head:].reshape(e, pairs, -1).contiguous()
+    with pytest.raises(RuntimeError, match=r"per pair, groups x \(scales \+ steps\)"):
+        module.Experts(*args)

@@ -12,10 +12,10 @@ bytes, the first in the low nibbles. int8 values are stored + 128 (``vpdpbusd``'
 operand; the avx2 build flips them back to signed). Blocks go in pairs (2p, 2p + 1),
 interleaved step by step (block 2p's 64 bytes, then block 2p + 1's), so that the kernel,
 which reads a pair at once, reads one stream: two streams 32 KB apart made C2 decode 10-20%
-slower on a Zen 4. The scales go in the same stream, ``[E, pairs, G, scales + steps]``: per
-weight group (one group: per channel), the pair's 2 x 16 scales (fp16 or fp32, block 2p's
-first), then the group's steps (``blocks_quant.h`` says why). Zero points stay
-``[E, blocks, G, 16]``. w13's blocks alternate gate and up rows of 16 intermediate units
+slower on a Zen 4. The scales go in the same stream: ``q`` is ``[E, pairs, G * (scales +
+steps)]`` bytes, per weight group (one group: per channel) the pair's 2 x 16 scales (fp16 or
+fp32, block 2p's first), then the group's steps (``blocks_quant.h`` says why). Zero points
+stay ``[E, blocks, G, 16]``. w13's blocks alternate gate and up rows of 16 intermediate units
 (block 2j: gate rows of units 16j..16j+15, block 2j + 1: their up rows), whatever the
 canonical row order of the activation; rows past the end (to whole pairs of blocks) are
 zero padding.
@@ -48,8 +48,8 @@ def padded(k: int) -> int:
 @attrs.frozen(slots=True, eq=False)
 class Packed:
     """One projection in the kernel's layout (the constructor arguments of ``Experts``):
-    blocked, ``q`` holds the scales too, and ``scales`` is their ``[E, blocks, G, 16]`` view
-    for the constructor's checks (not kept)."""
+    blocked, ``q`` holds the scales too, and ``scales`` is a separate ``[E, blocks, G, 16]``
+    tensor of the same values for the constructor's checks (which does not keep it)."""
 
     q: torch.Tensor
     scales: torch.Tensor | None = None
@@ -119,10 +119,10 @@ def pack_blocked(t: md.QuantizedTensor, order: torch.Tensor) -> Packed:
     head = 2 * ROWS * scales.element_size()  # the pair's scales of one group
     q = md.kernels.large_zeros((e, pairs, groups * (head + values * per_value)), torch.uint8)
     stream = q.view(e, pairs, groups, head + values * per_value)
-    # [E, pairs, 2, G, 16] -> [E, pairs, G, 2, 16]: per group, block 2p's 16, then 2p + 1's
-    stream[..., :head] = scales.view(e, pairs, 2, groups, ROWS).transpose(2, 3).reshape(
-        e, pairs, groups, 2 * ROWS).view(torch.uint8)
     for i in range(e):  # one expert at a time: its values widened are 2x-4x its bytes
+        # [pairs, 2, G, 16] -> [pairs, G, 2, 16]: per group, block 2p's 16 scales, then 2p + 1's
+        stream[i, :, :, :head] = scales[i].view(pairs, 2, groups, ROWS).transpose(1, 2).reshape(
+            pairs, groups, 2 * ROWS).view(torch.uint8)
         u = _rows_of(t.stored(i, torch.int16), order, kp)
         # [pairs of blocks, 2, 16 rows, steps, 4] -> [pairs, steps, 2, 16, 4]
         if s.bits == 8:

@@ -53,7 +53,8 @@ inline __m512i bcast4(const int8_t* p) { return _mm512_set1_epi32(four(p)); }
 // blocks), a unit at a time (blocks_quant.h, prefetch_unit). Why: as in the avx2 build
 // (blocks_avx2.h), a cold call otherwise computes and waits for memory in turn. Measured on a
 // Zen 5 (family 26, model 2; 2 threads, cold, paired calls in one process, C2 and C1 at
-// T=1-8): without it 1.01-1.25x of the time in int4; 4096 bytes ahead 0.95-1.01x of 2048's
+// T=1-8), in its earlier form (512 bytes of steps at a time, the scales in an array of their
+// own): without it 1.01-1.25x of the time in int4; 4096 bytes ahead 0.95-1.01x of 2048's
 // time for int4 (int8 alike), 1024 1.00-1.06x; 8192 mixed (0.94-1.07x).
 constexpr int64_t kBlockAhead = 4096;
 

@@ -42,14 +42,15 @@ constexpr int64_t kNarrowGroup = 32;// of x up to 16 tokens, and of the intermed
 // reading no scales at all took int4 g32 to 0.77-0.84x of its time, where its arithmetic
 // removed took it to 0.96-1.00x). In the stream, with the prefetch following the stream
 // (prefetch_unit), against the separate array, two builds paired in one process (cold, C1
-// and C2, T=1-8): avx512 build int4 g32 0.93-0.95x of the time, g128 0.96-0.99x, int8 per
-// channel 0.96-0.98x; avx2 build (on the same Zen 5) g32 0.87-0.89x, g128 0.96-0.98x, int8
-// 0.96-0.99x. Zero points stay uint8 [E, blocks, groups, 16].
+// and C2, T=1-8): avx512 build int4 g32 0.86-0.94x of the time, g128 0.95-0.98x, int8 per
+// channel 0.96-0.97x; avx2 build (on the same Zen 5) g32 0.87-0.96x, g128 0.95-1.00x, int8
+// 0.91-0.98x. Zero points stay uint8 [E, blocks, groups, 16].
 struct BlockProj {
   at::Tensor q, zeros;
   const uint8_t* base = nullptr;
   const uint8_t* z = nullptr;
-  int64_t blocks = 0, kp = 0, groups = 1, group = 0, off = 0, block_bytes = 0;
+  int64_t blocks = 0, kp = 0, groups = 1, group = 0, off = 0;
+  int64_t block_bytes = 0;  // a block's steps (Kp values of 16 rows), scales not counted
   int64_t esize = 4;      // bytes per scale: 2 (fp16) or 4 (fp32)
   int64_t head = 0;       // bytes of a group's scales in a pair's stream: 2 x 16 scales
   int64_t values = 0;     // K values per group: the group, or Kp with per-row scales
@@ -101,8 +102,8 @@ inline BlockProj make_block_proj(int64_t fmt, int64_t experts, int64_t kp, at::T
   TORCH_CHECK(kp % kBlock == 0, "blocked weights' width");
   p.blocks = 2 * q.size(1), p.kp = kp, p.block_bytes = kp * kRows / (p.int4 ? 2 : 1), p.group = bpg * kBlock;
   p.groups = (kp + p.group - 1) / p.group;
-  TORCH_CHECK(p.group >= kBlock && (p.group >= kp || (p.group & (p.group - 1)) == 0),
-              "weight groups: per row, or a power of two of at least 32 values");
+  TORCH_CHECK(p.group >= kBlock && (p.group >= kp || ((p.group & (p.group - 1)) == 0 && kp % p.group == 0)),
+              "weight groups: per row, or a power of two of at least 32 values that divides Kp");
   TORCH_CHECK(scales.dim() == 4 && scales.size(0) == experts && scales.size(1) == p.blocks &&
               scales.size(2) == p.groups && scales.size(3) == kRows, "blocked scales [E, blocks, groups, 16]");
   TORCH_CHECK(scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat, "scales fp16 or fp32");

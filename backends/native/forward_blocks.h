@@ -120,8 +120,8 @@ inline at::Tensor forward_blocks(const BlockLayer& L, const Routing& r, const at
   Shares items;
   in_team([&](const Team& team) {
     team.step([&] {  // 1. inputs.
-      if (team.id == 0)  // an item reads two blocks
-        items.init(team, static_cast<int64_t>(r.active.size()) * jb, L.w13.pair_bytes);
+      if (team.id == 0)  // an item reads two blocks (chunked by their steps' bytes, as measured: team.h)
+        items.init(team, static_cast<int64_t>(r.active.size()) * jb, 2 * L.w13.block_bytes);
       each_input(r, x, L.hidden, team.share(r.sources()),
                  [&](int64_t s, const float* v) { xin.set(s, v, L.hidden); });
     });
