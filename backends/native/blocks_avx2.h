@@ -136,8 +136,8 @@ void int4_block_dots_avx2(const BlockProj& p, int64_t e, int64_t b0, const Block
     // 64 bytes, then b0 + 1's; the unit's stream kAhead ahead (layout.h), past the pair's end
     // into the next pair, which a thread's share reads next. Why: the blocks cost more
     // arithmetic per byte than bf16, and without it a cold call computed and waited for
-    // memory in turn (Zen 3, 2 threads: 0.85-0.95x of the time without it at C1 and C2
-    // T=1-16).
+    // memory in turn (Zen 3, 2 threads, in its earlier form of 512 bytes at a time and the
+    // scales in an array of their own: 0.85-0.95x of the time without it at C1 and C2 T=1-16).
     const uint8_t* w = p.weights(e, b0, g, k0);
     prefetch_unit(p, w, g, k0, k1, kAhead);
     __m256i a[kHalves][N];
