@@ -6,8 +6,8 @@ Usage:
 
 ``bench_native.py`` sets the kernel against a 64 MiB read. A decode call reads far less: C1
 (E=8 top-2 H=1024 I=1408) at T=1 reads 4.5 MB of int4 g128 weights, 3.0 MB of them in step 2
-(w13) and 1.5 MB in step 4 (w2), about 1.5 and 0.7 MB per thread on two threads. This script measures what such a call could take with no arithmetic and no fixed
-cost: the same number of bytes read with plain 64-byte loads by the kernel's own team
+(w13) and 1.5 MB in step 4 (w2), about 1.5 and 0.7 MB per thread on two threads. This script
+measures what such a call could take with no arithmetic and no fixed cost: the same number of bytes read with plain 64-byte loads by the kernel's own team
 (``read_steps`` in read.h: one contiguous range per thread, a barrier between the w13
 and the w2 bytes, timed inside the call), cold. In one process, shuffled rounds, a 128 MiB
 read before every call, medians; per round the bytes are the round's distinct experts
@@ -45,19 +45,18 @@ from bench_perf import DramRead
 FORMATS = ("bf16", *SCHEMES)
 
 
-def _projection_bytes(cfg: md.MoEConfig, fmt: str, w13: torch.Tensor, w2: torch.Tensor
+def _projection_bytes(shape: dict, fmt: str, w13: torch.Tensor, w2: torch.Tensor
                       ) -> tuple[md.MoELayer, float, float]:
-    """The forced native layer and one expert's bytes of w13 and of w2."""
+    """The forced native layer (bf16 activations) and one expert's bytes of w13 and of w2."""
     if fmt == "bf16":
+        cfg = md.MoEConfig(**shape, dtype=torch.bfloat16)
         layer = md.MoELayer(cfg, backend="native").load_weights(w13.bfloat16(), w2.bfloat16())
         per = cfg.hidden_size * cfg.intermediate_size * 2
         return layer.prepare(), 2 * per, per
-    qcfg = md.MoEConfig(**{k: getattr(cfg, k) for k in ("num_experts", "top_k", "hidden_size",
-                                                         "intermediate_size")},
-                        dtype=cfg.dtype, weight_scheme=SCHEMES[fmt])
+    qcfg = md.MoEConfig(**shape, dtype=torch.bfloat16, weight_scheme=SCHEMES[fmt])
     qe = md.quantize_experts(w13, w2, SCHEMES[fmt])
     layer = md.MoELayer(qcfg, backend="native").load_weights(qe).prepare()
-    return layer, qe.w13.nbytes / cfg.num_experts, qe.w2.nbytes / cfg.num_experts
+    return layer, qe.w13.nbytes / qcfg.num_experts, qe.w2.nbytes / qcfg.num_experts
 
 
 def _lines(nbytes: float) -> int:
@@ -92,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = md.MoEConfig(**CONFIGS[cname], dtype=torch.bfloat16)
         g = torch.Generator().manual_seed(0)
         w13, w2 = torch.randn(cfg.w13_shape, generator=g) * 0.05, torch.randn(cfg.w2_shape, generator=g) * 0.05
-        layers = {f: _projection_bytes(cfg, f, w13, w2) for f in formats}
+        layers = {f: _projection_bytes(CONFIGS[cname], f, w13, w2) for f in formats}
         for tokens in [int(t) for t in args.tokens.split(",")]:
             inputs = random_inputs(cfg, tokens, pool=8, seed=tokens)
             active = [len(torch.unique(ids)) for _, _, ids in inputs]
