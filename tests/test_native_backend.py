@@ -215,10 +215,21 @@ def test_zero_tokens_repeated_ids_and_bad_ids(build):
     for bad in (8, -1):
         with pytest.raises(md.InvalidArgumentError, match="topk_ids"):
             layer(x, tw, torch.tensor([[0, bad]] * 3))
-    # The kernel itself refuses an id out of range before it reads any weight.
+    # The kernel itself refuses an id out of range before it reads any weight, at every
+    # thread count (the blocks route inside the team, while the other threads read ahead:
+    # they must stop, and the next call runs), both sides of 16 inputs.
     experts = layer.plan.route.state.experts
-    with pytest.raises(IndexError, match="outside"):
-        experts.forward(x, tw, torch.tensor([[0, 8]] * 3, dtype=torch.int32), False)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for rows in (3, 17):
+                xr, twr = torch.randn(rows, cfg.hidden_size).to(cfg.dtype), torch.rand(rows, 2)
+                with pytest.raises(IndexError, match="outside"):
+                    experts.forward(xr, twr, torch.tensor([[0, 8]] * rows, dtype=torch.int32), False)
+            assert rel_error(layer(x, tw, ids), want) <= ERROR_BOUND
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_caller_tensors_untouched_and_in_place_updates_detected(build):
@@ -257,21 +268,24 @@ def test_the_result_does_not_depend_on_the_kernels_thread_count(build, scheme):
     # leaves its units zero). Expert 0 is in every row, so the items of the thread that holds
     # it cost more and the others take from its range; H=2048 makes a chunk one item (bf16,
     # int8) or two (int4), so there are chunks to take. Each output sums in one order, so the
-    # result is bit for bit the one-thread result at any thread count.
+    # result is bit for bit the one-thread result at any thread count. 12 and 20 tokens: the
+    # blocks' two schedules of steps 0-2 (forward_blocks.h: up to 16 inputs thread 0 makes
+    # them while the others read ahead and then start step 2; above, a step of their own).
     cfg = _cfg(scheme, has_bias=True, hidden_size=2048)
     layer, ref_w, _ = _layer(cfg)
-    x, tw, _ = random_routing(cfg, 12, seed=6)
-    ids = torch.tensor([[0, 1 + t % 7] for t in range(12)])
     before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        serial = layer(x, tw, ids)
-        for threads in (2, 3, 4):
-            torch.set_num_threads(threads)
-            for _ in range(3):
-                assert torch.equal(layer(x, tw, ids), serial), threads
-    finally:
-        torch.set_num_threads(before)
+    for tokens in (12, 20):
+        x, tw, _ = random_routing(cfg, tokens, seed=6)
+        ids = torch.tensor([[0, 1 + t % 7] for t in range(tokens)])
+        try:
+            torch.set_num_threads(1)
+            serial = layer(x, tw, ids)
+            for threads in (2, 3, 4):
+                torch.set_num_threads(threads)
+                for _ in range(3):
+                    assert torch.equal(layer(x, tw, ids), serial), (tokens, threads)
+        finally:
+            torch.set_num_threads(before)
     want = moe_reference(cfg, x, ref_w["w13"], ref_w["w2"], tw, ids, ref_w.get("w13_bias"),
                          ref_w.get("w2_bias"))
     assert rel_error(serial, want) <= (TOLERANCE[torch.bfloat16] if scheme is None else ERROR_BOUND)

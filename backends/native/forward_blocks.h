@@ -18,6 +18,11 @@
 //      0.80x of the avx2 rows' time instead of 0.48x, below the decode targets;
 //   4. w2 and the weighted combine: each thread owns a range of blocks of output columns,
 //      expert by expert, kChunkBlocks blocks at a time (in L2 across the expert's tiles).
+// Thread 0 routes the call inside the team and makes its buffers; until it is done, the
+// other threads read the first bytes of their step-2 items ahead (warm.h). Up to
+// kNarrowTokens inputs, thread 0 also makes them then, and the others go on to step 2 without
+// a barrier while thread 0 makes the output; a thread done with step 2 early reads the start
+// of its step 4 ahead.
 
 #pragma once
 
@@ -25,6 +30,7 @@
 #include "blocks_quant.h"
 #include "routing.h"
 #include "team.h"
+#include "warm.h"
 
 #include <moe_dispatch_fast_call.h>  // new_output
 
@@ -109,36 +115,91 @@ inline void down_blocks(const BlockLayer& L, const Routing& r, const BlockInputs
   }
 }
 
-inline at::Tensor forward_blocks(const BlockLayer& L, const Routing& r, const at::Tensor& x) {
-  at::Tensor out = moe_dispatch::new_output(x);
-  const int64_t group = r.tokens > kNarrowTokens ? kWideGroup : kNarrowGroup;
+// x [T, H], tw float32 [T, K], ids int32 [T, K] (checked by the caller; the ids' range here).
+// The team starts first and thread 0 routes the call inside it: the others read ahead from
+// the ids meanwhile (warm.h).
+inline at::Tensor forward_blocks(const BlockLayer& L, const at::Tensor& x, const at::Tensor& tw,
+                                 const at::Tensor& ids, int64_t experts, bool on_input) {
+  const int64_t tokens = ids.size(0), pairs = ids.numel(), sources = on_input ? pairs : tokens;
+  const int64_t group = tokens > kNarrowTokens ? kWideGroup : kNarrowGroup;
   const int64_t ip = L.w2.kp, jb = L.w13.blocks / 2;
+  // Up to kNarrowTokens sources, thread 0 quantizes them all right after the buffers (step 1
+  // has no share worth a barrier); above, step 1 is split.
+  const bool one_filler = sources <= kNarrowTokens;
+  Routing r;
+  at::Tensor out;
   BlockInputs xin, ain;
-  xin.init(r.sources(), L.w13.kp, group, unit_for(L.w13, group));
-  ain.init(r.pairs, ip, kNarrowGroup, unit_for(L.w2, kNarrowGroup));
-  std::vector<float> act(r.pairs * ip, 0.f);
+  std::vector<float> act;
   Shares items;
+  std::atomic<bool> ready{false};          // thread 0 has routed and made the buffers
+  std::atomic<int> past_gate_up{0};        // threads done with step 2's items
+  std::atomic<bool> gate_up_done{false};
+  auto fill = [&](std::pair<int64_t, int64_t> share) {
+    each_input(r, x, L.hidden, share, [&](int64_t s, const float* v) { xin.set(s, v, L.hidden); });
+  };
+  auto setup = [&](const Team& team) {  // thread 0: routing, buffers (and the inputs, one_filler)
+    struct Ready {  // set however the body ends: the others stop reading ahead, and see
+      const Team& team;  // a failure (an id out of range) before they see the flag
+      std::atomic<bool>& flag;
+      ~Ready() {
+        if (std::uncaught_exceptions() > 0) team.failed->store(true, std::memory_order_relaxed);
+        flag.store(true, std::memory_order_release);
+      }
+    } set_ready{team, ready};
+    r = route(tw, ids, experts, on_input);
+    xin.init(sources, L.w13.kp, group, unit_for(L.w13, group));
+    ain.init(pairs, ip, kNarrowGroup, unit_for(L.w2, kNarrowGroup));
+    act.assign(pairs * ip, 0.f);
+    // an item reads two blocks (chunked by their steps' bytes, as measured: team.h)
+    items.init(team, static_cast<int64_t>(r.active.size()) * jb, 2 * L.w13.block_bytes);
+    if (one_filler) fill({0, sources});
+  };
+  auto read_ahead = [&](const Team& team) {
+    warm_gate_up(L.w13, ids.const_data_ptr<int32_t>(), pairs, experts, team, ready);
+  };
+  auto gate_up = [&](const Team& team) {  // step 2's items; a thread done early reads step 4's start
+    items.run(team, [&](int64_t item) {
+      gate_up_units(L, r, xin, r.active[item / jb], item % jb, act.data(), ip);
+    });
+    if (past_gate_up.fetch_add(1, std::memory_order_relaxed) + 1 == team.size)
+      gate_up_done.store(true, std::memory_order_relaxed);
+    else
+      warm_down(L.w2, r.active[0], team, gate_up_done);
+  };
   in_team([&](const Team& team) {
-    team.step([&] {  // 1. inputs.
-      if (team.id == 0)  // an item reads two blocks (chunked by their steps' bytes, as measured: team.h)
-        items.init(team, static_cast<int64_t>(r.active.size()) * jb, 2 * L.w13.block_bytes);
-      each_input(r, x, L.hidden, team.share(r.sources()),
-                 [&](int64_t s, const float* v) { xin.set(s, v, L.hidden); });
-    });
-    team.step([&] {  // 2. w13 and the activation.
-      items.run(team, [&](int64_t item) {
-        gate_up_units(L, r, xin, r.active[item / jb], item % jb, act.data(), ip);
+    if (one_filler) {
+      // 0 to 2 in one step: thread 0 routes, makes the buffers and the inputs, then the
+      // output while the others already run step 2's items (which need no output); until
+      // the inputs are made they read ahead.
+      team.step([&] {
+        if (team.id == 0) {
+          setup(team);
+          out = moe_dispatch::new_output(x);
+        } else {
+          read_ahead(team);
+          while (!ready.load(std::memory_order_acquire)) _mm_pause();
+          if (team.failed->load(std::memory_order_relaxed)) return;  // thread 0's setup failed
+        }
+        gate_up(team);
       });
-    });
+    } else {
+      team.step([&] {  // 0. routing, the output and buffers, by thread 0; the others read ahead.
+        if (team.id != 0) return read_ahead(team);
+        setup(team);
+        out = moe_dispatch::new_output(x);
+      });
+      team.step([&] { fill(team.share(sources)); });  // 1. inputs.
+      team.step([&] { gate_up(team); });             // 2. w13 and the activation.
+    }
     team.step([&] {  // 3. the activated values.
-      const auto [p0, p1] = team.share(r.pairs);
+      const auto [p0, p1] = team.share(pairs);
       for (int64_t p = p0; p < p1; ++p) ain.set(p, act.data() + p * ip, L.inter);
     });
     team.step([&] {  // 4. w2 and the weighted combine, over this thread's pairs of blocks.
       const auto [lo2, hi2] = team.share(L.w2.blocks / 2);
       const int64_t lo = 2 * lo2, hi = 2 * hi2, h0 = lo * kRows, h1 = std::min(L.hidden, hi * kRows);
       if (h1 <= h0) return;
-      std::vector<float> acc(r.tokens * (h1 - h0), 0.f);
+      std::vector<float> acc(tokens * (h1 - h0), 0.f);
       down_blocks(L, r, ain, lo, hi, acc);
       store_columns(acc, out, h0, h1);
     });

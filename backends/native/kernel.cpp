@@ -18,7 +18,8 @@
 //      columns, reads those rows of every active expert's w2 (expert by expert: one long
 //      stream each), and adds each pair's weighted contribution. No atomics, no reduction.
 // The intermediate (T*K*2I floats) never leaves the caches.
-// The four steps run in one OpenMP team with a barrier between them (team.h).
+// The four steps run in one OpenMP team with a barrier between them (team.h). The blocks'
+// schedule routes inside the team and lets the other threads read ahead meanwhile (warm.h).
 //
 // That is the schedule of bf16 weights, in rows: [E, N, Kp] uint16 as stored (packed by
 // _pack.py at prepare(); the reduction axis padded to 32 with zeros, which the zero-padded
@@ -93,9 +94,8 @@ class Experts {
                 tw.is_contiguous() && ids.is_contiguous() && tw.sizes() == ids.sizes() &&
                 ids.dim() == 2 && ids.size(0) == x.size(0), "topk_weights / topk_ids");
     if (x.size(0) == 0) return at::empty_like(x);
-    const Routing r = route(tw, ids, experts_, on_input);
-    if (fmt_ != kBf16) return forward_blocks(blocks_, r, x);
-    return forward_rows(r, x);
+    if (fmt_ != kBf16) return forward_blocks(blocks_, x, tw, ids, experts_, on_input);
+    return forward_rows(route(tw, ids, experts_, on_input), x);
   }
 
  private:
