@@ -10,8 +10,13 @@ weights with its own ``_pack.py``, so a change of layout compares too. Each vers
 its own forced native layer (its own copy of the same weights); per round, the two are called
 in a random order, each after a 128 MiB read (cold). Printed per case: the base's median ms,
 the median of new / base over the rounds (paired) with its quartiles, and whether the two
-give the same output on every input. How the ratios quoted in docs/backends/native.md for
-kernel variants were measured (an A/A pair of one source gave 0.97-1.01x on a Zen 5).
+give the same output on every input. Each round also times a cold 64 MiB read (bench_perf's
+DramRead): this VM's memory moves between a slow phase, where two threads saturate it, and
+a fast one, where each core's own streaming is the bound, and a variant can gain in one and
+lose in the other; so the median ratio is also given over the rounds whose read was at or
+above the case's median read speed ("fast half") and over the others. How the ratios quoted
+in docs/backends/native.md for kernel variants were measured (an A/A pair of one source gave
+0.97-1.01x on a Zen 5).
 Cases: config (bench_backends.CONFIGS) : format (bf16, int8, g128, g32, g128z: int4 with
 zero points) : tokens.
 """
@@ -36,6 +41,7 @@ from moe_dispatch.testing import random_inputs
 from moe_dispatch_backends.native import kernel
 
 from bench_backends import CONFIGS
+from bench_perf import DramRead
 
 SCHEMES = {"bf16": None, "int8": md.QuantScheme("int8"),
            "g128": md.QuantScheme("int4", group_size=128), "g32": md.QuantScheme("int4", group_size=32),
@@ -85,24 +91,35 @@ def main(argv: list[str] | None = None) -> int:
     versions = {"base": _version(args.base, f"ab_base_{args.isa}_{args.tag}", args.isa),
                 "new": _version(args.new, f"ab_new_{args.isa}_{args.tag}", args.isa)}
     print(f"machine: {caps.fingerprint()}, {torch.get_num_threads()} threads, the {args.isa} build\n")
-    print("| case | base ms | new / base (median) | q1 | q3 | same output |\n| --- | ---: | ---: | ---: | ---: | --- |")
-    flush, rng = CacheFlush(), random.Random(0)
+    print("| case | base ms | new / base (median) | q1 | q3 | read GB/s | fast half | slow half | same output |\n"
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    flush, rng, dram = CacheFlush(), random.Random(0), DramRead()
     for case in args.cases.split(","):
         cname, fmt, tokens = case.split(":")
         layers = {k: _layer(cname, fmt, v) for k, v in versions.items()}
         inputs = random_inputs(layers["base"].config, int(tokens), pool=8, seed=1)
         same = all(torch.equal(layers["base"](*a), layers["new"](*a)) for a in inputs)
         times: dict[str, list[float]] = {"base": [], "new": []}
+        reads: list[float] = []
         for i in range(args.rounds):
             x, tw, ids = inputs[i % len(inputs)]
+            flush()
+            t0 = time.perf_counter()
+            dram()
+            reads.append(DramRead.nbytes / (time.perf_counter() - t0) / 1e9)
             for k in rng.sample(list(layers), 2):
                 flush()
                 t0 = time.perf_counter()
                 layers[k](x, tw, ids)
                 times[k].append(time.perf_counter() - t0)
-        r = sorted(n / b for n, b in zip(times["new"], times["base"]))
+        ratios = [n / b for n, b in zip(times["new"], times["base"])]
+        r, mid = sorted(ratios), statistics.median(reads)
+        fast = [q for q, g in zip(ratios, reads) if g >= mid]
+        slow = [q for q, g in zip(ratios, reads) if g < mid]
+        halves = " | ".join(f"{statistics.median(h):.3f}" if h else "-" for h in (fast, slow))
         print(f"| {case} | {statistics.median(times['base']) * 1e3:.3f} | {statistics.median(r):.3f} | "
-              f"{r[len(r) // 4]:.3f} | {r[3 * len(r) // 4]:.3f} | {same} |", flush=True)
+              f"{r[len(r) // 4]:.3f} | {r[3 * len(r) // 4]:.3f} | {min(reads):.0f}-{max(reads):.0f} | "
+              f"{halves} | {same} |", flush=True)
     return 0
 
 

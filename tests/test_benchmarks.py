@@ -62,3 +62,46 @@ def test_bench_ceiling_prints_a_row_per_format_and_token_count(capsys):
         ("int8", "1"), ("int4g32", "1"), ("int8", "2"), ("int4g32", "2")]
     for row in rows:  # every time and share a positive number
         assert all(float(v.strip().rstrip("x%")) > 0 for v in row[3:]), row
+
+
+@pytest.mark.usefixtures("benchmarks_on_path")
+def test_bench_stream_prints_a_row_per_format_and_thread_count(capsys):
+    import bench_stream
+    from moe_dispatch_backends.native import kernel
+
+    import moe_dispatch as md
+
+    isa, why = kernel.isa_for(md.Capabilities.detect())
+    if isa is None:
+        pytest.skip(f"the native kernel does not run here: {why}")
+    if kernel.load(isa) is None:
+        pytest.skip(f"the native kernel's {isa} build is unavailable: {kernel.status(isa)}")
+    assert bench_stream.main(["--config", "C1", "--formats", "int8,int4g32", "--threads", "1,2",
+                              "--experts", "2", "--reps", "2"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| int")]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [
+        ("int8", "1"), ("int8", "2"), ("int4g32", "1"), ("int4g32", "2")]
+    for row in rows:  # speeds and the ratio: positive numbers
+        assert all(float(v) > 0 for v in row[2:]), row
+    with pytest.raises(SystemExit):  # more experts than the config has
+        bench_stream.main(["--config", "C1", "--formats", "int8", "--experts", "5", "--reps", "1"])
+
+
+@pytest.mark.usefixtures("benchmarks_on_path")
+def test_bench_native_ab_compares_two_builds_of_one_source(capsys):
+    """An A/A pair (the kernel's own source twice): the same outputs, a row per case."""
+    import bench_native_ab
+    from moe_dispatch_backends.native import kernel
+
+    import moe_dispatch as md
+
+    isa, why = kernel.isa_for(md.Capabilities.detect())
+    if isa is None:
+        pytest.skip(f"the native kernel does not run here: {why}")
+    source = str(Path(kernel.SOURCE).parent)
+    assert bench_native_ab.main(["--base", source, "--new", source, "--isa", isa,
+                                 "--cases", "C1:g32:1", "--rounds", "2", "--tag", "smoke"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| C1:g32:1 |")]
+    assert len(rows) == 1 and rows[0][-1].strip() == "True", rows

@@ -537,3 +537,48 @@ def test_blocked_weights_of_the_wrong_layout_are_refused(build):
     args[5] = args[5].view(e, pairs, args[6].shape[2], -1)[..., head:].reshape(e, pairs, -1).contiguous()
     with pytest.raises(RuntimeError, match=r"per pair, groups x \(scales \+ steps\)"):
         module.Experts(*args)
+
+
+@pytest.mark.parametrize("scheme", [md.QuantScheme("int8"), md.QuantScheme("int4", group_size=32),
+                                    md.QuantScheme("int4", group_size=64, symmetric=False)],
+                         ids=lambda s: s.describe())
+def test_stream_w13_runs_step_twos_loop_over_the_window(build, scheme):
+    """benchmarks/bench_stream.py's loop (stream.h): every pair of w13 of the experts asked, its
+    two blocks' first rows (a gate row and an up row) dotted with the fixed input, summed
+    pair by pair in order: the same at any thread count, and what the dequantized weights
+    give (the input quantized per 32 values)."""
+    cfg = _cfg(scheme, hidden_size=256, intermediate_size=64)
+    layer, ref_w, _ = _layer(cfg)
+    experts = layer.plan.route.state.experts
+    stream = experts.w13_stream()
+    assert stream.dtype == torch.uint8 and stream.shape[:2] == (8, 64 // 16)
+    x = torch.sin(0.37 * torch.arange(256, dtype=torch.float32) + 1).double()
+    w13 = ref_w["w13"].double()  # [E, 2I, H], silu: gate rows 0..I-1, up rows I..2I-1
+    before = torch.get_num_threads()
+    try:
+        for first, count in ((0, 8), (3, 2), (7, 1)):
+            rows = [w13[e, u] @ x + w13[e, 64 + u] @ x for e in range(first, first + count)
+                    for u in range(0, 64, 16)]
+            want = float(sum(rows))
+            sums = set()
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                seconds, checksum = experts.stream_w13(first, count)
+                assert seconds > 0
+                sums.add(checksum)
+            assert len(sums) == 1, (first, count, sums)
+            assert abs(sums.pop() - want) <= 4e-3 * float(sum(abs(r) for r in rows)), (first, count)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_stream_w13_names_what_it_accepts(build):
+    experts = _layer(_cfg(md.QuantScheme("int8")))[0].plan.route.state.experts
+    for first, count in ((-1, 1), (0, 0), (7, 2), (8, 1)):
+        with pytest.raises(RuntimeError, match=r"experts \[first, first \+ count\) within \[0, 8\)"):
+            experts.stream_w13(first, count)
+    bf16 = _layer(_cfg(None))[0].plan.route.state.experts
+    with pytest.raises(RuntimeError, match="int8 or int4 weights"):
+        bf16.stream_w13(0, 1)
+    with pytest.raises(RuntimeError, match="int8 or int4 weights"):
+        bf16.w13_stream()

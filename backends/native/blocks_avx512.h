@@ -51,12 +51,17 @@ inline __m512i bcast4(const int8_t* p) { return _mm512_set1_epi32(four(p)); }
 // Software prefetch of a pair's stream, this far ahead (past the pair's end into the next
 // pair in memory: the thread's next one, except at the end of its range of an expert's
 // blocks), a unit at a time (blocks_quant.h, prefetch_unit). Why: as in the avx2 build
-// (blocks_avx2.h), a cold call otherwise computes and waits for memory in turn. Measured on a
-// Zen 5 (family 26, model 2; 2 threads, cold, paired calls in one process, C2 and C1 at
-// T=1-8), in its earlier form (512 bytes of steps at a time, the scales in an array of their
-// own): without it 1.01-1.25x of the time in int4; 4096 bytes ahead 0.95-1.01x of 2048's
-// time for int4 (int8 alike), 1024 1.00-1.06x; 8192 mixed (0.94-1.07x).
-constexpr int64_t kBlockAhead = 4096;
+// (blocks_avx2.h), a cold call otherwise computes and waits for memory in turn (measured on a
+// Zen 5, family 26, model 2, in its earlier form: without it 1.01-1.25x of the time in int4).
+// Why 6 KiB: where one core's own streaming is the bound (one thread, or two that do not
+// saturate the memory) the loop must keep as many lines in flight as a plain read does, about
+// 40 GB/s x 150 ns. On that Zen 5, step 2's loop alone against a plain read of its bytes on
+// one thread (benchmarks/bench_stream.py, C2, int8 / int4 g128 / int4 g32): 4096 bytes ahead
+// 0.948-0.976x of the read's speed, 6144 1.010-1.038x, 8192 0.997-1.040x. In the whole
+// kernel, 6144 against 4096 (bench_native_ab.py, 60-80 rounds): 0.958-0.974x of the time in
+// the rounds where the memory read fast (C2 T=1-8 int4), 0.996-1.033x where two threads
+// saturated it.
+constexpr int64_t kBlockAhead = 6144;
 
 // The pair of blocks b0, b0 + 1 (b0 even, read as _pack.py interleaves them) of expert e
 // dotted with the N inputs idx[], into o[(r * N + n) * 16 + lane] (fp32, scaled). Inlined

@@ -44,6 +44,7 @@
 #include "dots.h"
 #include "forward_blocks.h"
 #include "read.h"
+#include "stream.h"
 #include "team.h"
 
 namespace {
@@ -96,6 +97,18 @@ class Experts {
     if (x.size(0) == 0) return at::empty_like(x);
     if (fmt_ != kBf16) return forward_blocks(blocks_, x, tw, ids, experts_, on_input);
     return forward_rows(route(tw, ids, experts_, on_input), x);
+  }
+
+  // benchmarks/bench_stream.py (stream.h): step 2's block loop over w13 of experts
+  // [first, first + count), and the bytes it reads, w13's pairs' streams [E, pairs, bytes].
+  std::pair<double, double> stream_w13(int64_t first, int64_t count) const {
+    TORCH_CHECK(fmt_ != kBf16, "stream_w13: int8 or int4 weights (blocks); this layer's are bf16 rows");
+    py::gil_scoped_release no_gil;
+    return stream_pairs(blocks_.w13, experts_, first, count);
+  }
+  at::Tensor w13_stream() const {
+    TORCH_CHECK(fmt_ != kBf16, "w13_stream: int8 or int4 weights (blocks); this layer's are bf16 rows");
+    return blocks_.w13.q;
   }
 
  private:
@@ -237,7 +250,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, at::Tensor, OptTensor, OptTensor,
                     int64_t, at::Tensor, OptTensor, OptTensor, int64_t, int64_t, OptTensor,
                     OptTensor>())
-      .def("forward", &Experts::forward, py::call_guard<py::gil_scoped_release>());
+      .def("forward", &Experts::forward, py::call_guard<py::gil_scoped_release>())
+      .def("stream_w13", &Experts::stream_w13, py::arg("first"), py::arg("count"),
+           "(seconds, checksum): step 2's block loop alone over w13 of experts [first, first + count) "
+           "(benchmarks/bench_stream.py)")
+      .def("w13_stream", &Experts::w13_stream, "w13's pairs' streams, uint8 [E, pairs, bytes]");
   py::class_<FastCall>(m, "FastCall")
       .def(py::init<std::shared_ptr<Experts>, bool, int64_t, int64_t, int64_t, at::ScalarType,
                     std::vector<at::Tensor>, std::vector<int64_t>>())

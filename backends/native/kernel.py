@@ -29,7 +29,7 @@ SOURCE = Path(__file__).with_name("kernel.cpp")
 HEADERS = tuple(Path(__file__).with_name(n)
                 for n in ("activations.h", "blocks_avx2.h", "blocks_avx512.h", "blocks_quant.h",
                           "dots.h", "dots_bf16.h", "forward_blocks.h", "layout.h",
-                          "read.h", "routing.h", "team.h", "warm.h"))
+                          "read.h", "routing.h", "stream.h", "team.h", "warm.h"))
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers; without it the loops run
 # on one thread. The process's libgomp (torch's own, same soname) is the one linked.
 _COMMON = ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c")
