@@ -2,7 +2,7 @@
 
 Usage:
     .venv/bin/python benchmarks/bench_stream.py [--config C2] [--formats int8,int4g128,int4g32]
-                                                [--threads 1,2] [--experts 4] [--reps 25]
+                                                [--threads 1,2] [--inputs 1] [--experts 4] [--reps 25]
     (MOE_DISPATCH_NATIVE_ISA=avx2 for the avx2 build on an AVX-512 machine)
 
 A decode call is bound by its weights' bytes only if its loops keep as many cache lines in
@@ -10,7 +10,8 @@ flight as the memory needs. Two cores on this project's VMs sometimes saturate t
 (then any loop that keeps up reads at the memory's speed) and sometimes do not (then each
 core's own streaming is the bound, and a loop that holds fewer lines in flight than a plain
 read loses to it). This script isolates that: the forced native layer's ``stream_w13`` runs
-step 2's block loop alone (the pair dot products of one input, as at T=1, over every pair of
+step 2's block loop alone (the pair dot products of ``--inputs`` inputs, an expert's tokens:
+one at T=1, over every pair of
 w13 of ``--experts x threads`` consecutive experts, one contiguous share per thread, no
 routing, buffers or barriers: ``stream.h``), against ``read_steps`` (plain 64-byte loads by
 the same team) over exactly those bytes. One process, shuffled rounds, a 128 MiB read before
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--formats", default=",".join(BLOCK_FORMATS),
                    help=f"comma-separated, of {', '.join(BLOCK_FORMATS)}")
     p.add_argument("--threads", default="1,2")
+    p.add_argument("--inputs", default="1", help="comma-separated input counts per pair (1-6)")
     p.add_argument("--experts", type=int, default=4, help="experts per thread in a call")
     p.add_argument("--reps", type=int, default=25)
     args = p.parse_args(argv)
@@ -61,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         if f not in BLOCK_FORMATS:
             p.error(f"--formats: {f!r} is not one of {', '.join(BLOCK_FORMATS)}")
     threads = [int(t) for t in args.threads.split(",")]
+    inputs = [int(n) for n in args.inputs.split(",")]
+    if any(not 1 <= n <= 6 for n in inputs):
+        p.error(f"--inputs: counts in [1, 6], got {args.inputs}")
     caps = md.Capabilities.detect()
     isa, why = kernel.isa_for(caps)
     if isa is None or kernel.load(isa) is None:
@@ -74,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{cfg.num_experts} experts")
     print(f"machine: {caps.fingerprint()}, the {isa} build ({why}); {args.config}: {shape}; "
           f"{args.experts} experts' w13 per thread\n")
-    print("| format | threads | loop GB/s | read GB/s | loop / read |\n| --- | ---: | ---: | ---: | ---: |")
+    print("| format | threads | inputs | loop GB/s | read GB/s | loop / read |\n"
+          "| --- | ---: | ---: | ---: | ---: | ---: |")
     flush, rng = CacheFlush(), random.Random(0)
     before = torch.get_num_threads()
     try:
@@ -86,23 +92,24 @@ def main(argv: list[str] | None = None) -> int:
             for t in threads:
                 torch.set_num_threads(t)
                 count = args.experts * t
-                loop: list[float] = []
-                read: list[float] = []
-                for _ in range(args.reps):
-                    first = rng.randrange(0, cfg.num_experts - count + 1)
-                    window = flat[first * per_expert:(first + count) * per_expert]
-                    order = ["loop", "read"]
-                    rng.shuffle(order)
-                    for which in order:
-                        flush()
-                        if which == "loop":
-                            loop.append(kern.stream_w13(first, count)[0])
-                        else:
-                            read.append(module.read_steps(window, [window.numel()])[0])
-                nbytes = count * per_expert
-                ratio = statistics.median(r / s for r, s in zip(read, loop))
-                print(f"| {f} | {t} | {nbytes / statistics.median(loop) / 1e9:.1f} | "
-                      f"{nbytes / statistics.median(read) / 1e9:.1f} | {ratio:.3f} |", flush=True)
+                for n in inputs:
+                    loop: list[float] = []
+                    read: list[float] = []
+                    for _ in range(args.reps):
+                        first = rng.randrange(0, cfg.num_experts - count + 1)
+                        window = flat[first * per_expert:(first + count) * per_expert]
+                        order = ["loop", "read"]
+                        rng.shuffle(order)
+                        for which in order:
+                            flush()
+                            if which == "loop":
+                                loop.append(kern.stream_w13(first, count, n)[0])
+                            else:
+                                read.append(module.read_steps(window, [window.numel()])[0])
+                    nbytes = count * per_expert
+                    ratio = statistics.median(r / s for r, s in zip(read, loop))
+                    print(f"| {f} | {t} | {n} | {nbytes / statistics.median(loop) / 1e9:.1f} | "
+                          f"{nbytes / statistics.median(read) / 1e9:.1f} | {ratio:.3f} |", flush=True)
     finally:
         torch.set_num_threads(before)
     return 0

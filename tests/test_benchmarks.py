@@ -77,13 +77,13 @@ def test_bench_stream_prints_a_row_per_format_and_thread_count(capsys):
     if kernel.load(isa) is None:
         pytest.skip(f"the native kernel's {isa} build is unavailable: {kernel.status(isa)}")
     assert bench_stream.main(["--config", "C1", "--formats", "int8,int4g32", "--threads", "1,2",
-                              "--experts", "2", "--reps", "2"]) == 0
+                              "--inputs", "1,3", "--experts", "2", "--reps", "2"]) == 0
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
             if line.startswith("| int")]
-    assert [(r[0].strip(), r[1].strip()) for r in rows] == [
-        ("int8", "1"), ("int8", "2"), ("int4g32", "1"), ("int4g32", "2")]
+    assert [tuple(v.strip() for v in r[:3]) for r in rows] == [
+        (f, t, n) for f in ("int8", "int4g32") for t in ("1", "2") for n in ("1", "3")]
     for row in rows:  # speeds and the ratio: positive numbers
-        assert all(float(v) > 0 for v in row[2:]), row
+        assert all(float(v) > 0 for v in row[3:]), row
     with pytest.raises(SystemExit):  # more experts than the config has
         bench_stream.main(["--config", "C1", "--formats", "int8", "--experts", "5", "--reps", "1"])
 

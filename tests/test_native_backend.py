@@ -544,9 +544,10 @@ def test_blocked_weights_of_the_wrong_layout_are_refused(build):
                          ids=lambda s: s.describe())
 def test_stream_w13_runs_step_twos_loop_over_the_window(build, scheme):
     """benchmarks/bench_stream.py's loop (stream.h): every pair of w13 of the experts asked, its
-    two blocks' first rows (a gate row and an up row) dotted with the fixed input, summed
-    pair by pair in order: the same at any thread count, and what the dequantized weights
-    give (the input quantized per 32 values)."""
+    two blocks' first rows (a gate row and an up row) dotted with the first input, summed
+    pair by pair in order: the same at any thread count and any number of inputs beside it
+    (each input's sums are its own), and what the dequantized weights give (the input
+    quantized per 32 values)."""
     cfg = _cfg(scheme, hidden_size=256, intermediate_size=64)
     layer, ref_w, _ = _layer(cfg)
     experts = layer.plan.route.state.experts
@@ -561,9 +562,9 @@ def test_stream_w13_runs_step_twos_loop_over_the_window(build, scheme):
                     for u in range(0, 64, 16)]
             want = float(sum(rows))
             sums = set()
-            for threads in (1, 2, 3):
+            for threads, inputs in ((1, 1), (2, 1), (3, 1), (2, 2), (1, 6)):
                 torch.set_num_threads(threads)
-                seconds, checksum = experts.stream_w13(first, count)
+                seconds, checksum = experts.stream_w13(first, count, inputs)
                 assert seconds > 0
                 sums.add(checksum)
             assert len(sums) == 1, (first, count, sums)
@@ -577,6 +578,9 @@ def test_stream_w13_names_what_it_accepts(build):
     for first, count in ((-1, 1), (0, 0), (7, 2), (8, 1)):
         with pytest.raises(RuntimeError, match=r"experts \[first, first \+ count\) within \[0, 8\)"):
             experts.stream_w13(first, count)
+    for inputs in (0, 7):
+        with pytest.raises(RuntimeError, match=rf"inputs in \[1, 6\], got {inputs}"):
+            experts.stream_w13(0, 1, inputs)
     bf16 = _layer(_cfg(None))[0].plan.route.state.experts
     with pytest.raises(RuntimeError, match="int8 or int4 weights"):
         bf16.stream_w13(0, 1)

@@ -101,10 +101,10 @@ class Experts {
 
   // benchmarks/bench_stream.py (stream.h): step 2's block loop over w13 of experts
   // [first, first + count), and the bytes it reads, w13's pairs' streams [E, pairs, bytes].
-  std::pair<double, double> stream_w13(int64_t first, int64_t count) const {
+  std::pair<double, double> stream_w13(int64_t first, int64_t count, int64_t inputs) const {
     TORCH_CHECK(fmt_ != kBf16, "stream_w13: int8 or int4 weights (blocks); this layer's are bf16 rows");
     py::gil_scoped_release no_gil;
-    return stream_pairs(blocks_.w13, experts_, first, count);
+    return stream_pairs(blocks_.w13, experts_, first, count, inputs);
   }
   at::Tensor w13_stream() const {
     TORCH_CHECK(fmt_ != kBf16, "w13_stream: int8 or int4 weights (blocks); this layer's are bf16 rows");
@@ -251,7 +251,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     int64_t, at::Tensor, OptTensor, OptTensor, int64_t, int64_t, OptTensor,
                     OptTensor>())
       .def("forward", &Experts::forward, py::call_guard<py::gil_scoped_release>())
-      .def("stream_w13", &Experts::stream_w13, py::arg("first"), py::arg("count"),
+      .def("stream_w13", &Experts::stream_w13, py::arg("first"), py::arg("count"), py::arg("inputs") = 1,
            "(seconds, checksum): step 2's block loop alone over w13 of experts [first, first + count) "
            "(benchmarks/bench_stream.py)")
       .def("w13_stream", &Experts::w13_stream, "w13's pairs' streams, uint8 [E, pairs, bytes]");
