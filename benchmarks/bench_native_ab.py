@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     versions = {"base": _version(args.base, f"ab_base_{args.isa}_{args.tag}", args.isa),
                 "new": _version(args.new, f"ab_new_{args.isa}_{args.tag}", args.isa)}
     print(f"machine: {caps.fingerprint()}, {torch.get_num_threads()} threads, the {args.isa} build\n")
-    print("| case | base ms | new / base (median) | q1 | q3 | read GB/s | fast half | slow half | same output |\n"
-          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| case | base ms | new / base (median) | q1 | q3 | read GB/s | fast half | slow half "
+          "| same output |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     flush, rng, dram = CacheFlush(), random.Random(0), DramRead()
     for case in args.cases.split(","):
         cname, fmt, tokens = case.split(":")

@@ -48,6 +48,17 @@ def _experts(shape: dict, fmt: str) -> tuple[object, md.MoEConfig]:
     return layer.prepare().plan.route.state.experts, cfg
 
 
+def _counts(p: argparse.ArgumentParser, flag: str, text: str, lo: int, hi: int) -> list[int]:
+    """A comma-separated list of integers in [lo, hi], or the parser's error naming the flag."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        p.error(f"{flag}: comma-separated integers, got {text!r}")
+    if any(not lo <= v <= hi for v in values):
+        p.error(f"{flag}: integers in [{lo}, {hi}], got {text!r}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="C2", choices=sorted(CONFIGS))
@@ -58,25 +69,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=4, help="experts per thread in a call")
     p.add_argument("--reps", type=int, default=25)
     args = p.parse_args(argv)
-    formats = args.formats.split(",")
+    formats = list(dict.fromkeys(args.formats.split(",")))
     for f in formats:
         if f not in BLOCK_FORMATS:
             p.error(f"--formats: {f!r} is not one of {', '.join(BLOCK_FORMATS)}")
-    threads = [int(t) for t in args.threads.split(",")]
-    inputs = [int(n) for n in args.inputs.split(",")]
-    if any(not 1 <= n <= 6 for n in inputs):
-        p.error(f"--inputs: counts in [1, 6], got {args.inputs}")
+    threads = _counts(p, "--threads", args.threads, 1, 1024)
+    inputs = _counts(p, "--inputs", args.inputs, 1, 6)
+    if args.reps < 1 or args.experts < 1:
+        p.error(f"--reps and --experts: at least 1, got {args.reps} and {args.experts}")
+    shape = CONFIGS[args.config]
+    if args.experts * max(threads) > shape["num_experts"]:
+        p.error(f"--experts {args.experts} x {max(threads)} threads exceeds {args.config}'s "
+                f"{shape['num_experts']} experts")
     caps = md.Capabilities.detect()
     isa, why = kernel.isa_for(caps)
     if isa is None or kernel.load(isa) is None:
         p.error(f"the native kernel does not run here: {why if isa is None else kernel.status(isa)}")
     module = kernel.load(isa)
-    shape = CONFIGS[args.config]
     experts = {f: _experts(shape, f) for f in formats}
-    for f, (_, cfg) in experts.items():
-        if args.experts * max(threads) > cfg.num_experts:
-            p.error(f"--experts {args.experts} x {max(threads)} threads exceeds the config's "
-                    f"{cfg.num_experts} experts")
     print(f"machine: {caps.fingerprint()}, the {isa} build ({why}); {args.config}: {shape}; "
           f"{args.experts} experts' w13 per thread\n")
     print("| format | threads | inputs | loop GB/s | read GB/s | loop / read |\n"

@@ -84,8 +84,10 @@ def test_bench_stream_prints_a_row_per_format_and_thread_count(capsys):
         (f, t, n) for f in ("int8", "int4g32") for t in ("1", "2") for n in ("1", "3")]
     for row in rows:  # speeds and the ratio: positive numbers
         assert all(float(v) > 0 for v in row[3:]), row
-    with pytest.raises(SystemExit):  # more experts than the config has
-        bench_stream.main(["--config", "C1", "--formats", "int8", "--experts", "5", "--reps", "1"])
+    for bad in (["--experts", "5"], ["--threads", "0"], ["--inputs", "7"], ["--inputs", "x"],
+                ["--reps", "0"], ["--formats", "bf16"]):  # refused before any layer is built
+        with pytest.raises(SystemExit):
+            bench_stream.main(["--config", "C1", "--formats", "int8", "--reps", "1", *bad])
 
 
 @pytest.mark.usefixtures("benchmarks_on_path")
@@ -99,9 +101,15 @@ def test_bench_native_ab_compares_two_builds_of_one_source(capsys):
     isa, why = kernel.isa_for(md.Capabilities.detect())
     if isa is None:
         pytest.skip(f"the native kernel does not run here: {why}")
+    if kernel.load(isa) is None:
+        pytest.skip(f"the native kernel's {isa} build is unavailable: {kernel.status(isa)}")
     source = str(Path(kernel.SOURCE).parent)
     assert bench_native_ab.main(["--base", source, "--new", source, "--isa", isa,
                                  "--cases", "C1:g32:1", "--rounds", "2", "--tag", "smoke"]) == 0
-    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
+    rows = [[v.strip() for v in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()
             if line.startswith("| C1:g32:1 |")]
-    assert len(rows) == 1 and rows[0][-1].strip() == "True", rows
+    assert len(rows) == 1 and rows[0][-1] == "True", rows
+    base_ms, ratio, q1, q3, reads, fast, slow = rows[0][1:8]
+    assert all(float(v) > 0 for v in (base_ms, ratio, q1, q3, fast)), rows  # two rounds: the
+    low, high = (float(v) for v in reads.split("-"))                         # slower one's half
+    assert 0 < low <= high and (slow == "-" or float(slow) > 0), rows        # may be empty

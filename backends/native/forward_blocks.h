@@ -34,6 +34,9 @@
 
 #include <moe_dispatch_fast_call.h>  // new_output
 
+#include <atomic>
+#include <thread>
+
 namespace moe_dispatch_native {
 
 constexpr int64_t kNarrowTokens = 16;
@@ -131,31 +134,34 @@ inline at::Tensor forward_blocks(const BlockLayer& L, const at::Tensor& x, const
   BlockInputs xin, ain;
   std::vector<float> act;
   Shares items;
-  std::atomic<bool> ready{false};          // thread 0 has routed and made the buffers
-  std::atomic<int> past_gate_up{0};        // threads done with step 2's items
+  // Polled by the other threads while thread 0 writes beside them: lines of their own.
+  alignas(64) std::atomic<bool> ready{false};  // thread 0 has routed and made the buffers
+  alignas(64) std::atomic<int> past_gate_up{0};  // threads done with step 2's items
   std::atomic<bool> gate_up_done{false};
   auto fill = [&](std::pair<int64_t, int64_t> share) {
     each_input(r, x, L.hidden, share, [&](int64_t s, const float* v) { xin.set(s, v, L.hidden); });
   };
   auto setup = [&](const Team& team) {  // thread 0: routing, buffers (and the inputs, one_filler)
-    struct Ready {  // set however the body ends: the others stop reading ahead, and see
-      const Team& team;  // a failure (an id out of range) before they see the flag
-      std::atomic<bool>& flag;
-      ~Ready() {
-        if (std::uncaught_exceptions() > 0) team.failed->store(true, std::memory_order_relaxed);
-        flag.store(true, std::memory_order_release);
-      }
-    } set_ready{team, ready};
-    r = route(tw, ids, experts, on_input);
-    xin.init(sources, L.w13.kp, group, unit_for(L.w13, group));
-    ain.init(pairs, ip, kNarrowGroup, unit_for(L.w2, kNarrowGroup));
-    act.assign(pairs * ip, 0.f);
-    // an item reads two blocks (chunked by their steps' bytes, as measured: team.h)
-    items.init(team, static_cast<int64_t>(r.active.size()) * jb, 2 * L.w13.block_bytes);
-    if (one_filler) fill({0, sources});
+    try {
+      r = route(tw, ids, experts, on_input);
+      xin.init(sources, L.w13.kp, group, unit_for(L.w13, group));
+      ain.init(pairs, ip, kNarrowGroup, unit_for(L.w2, kNarrowGroup));
+      act.assign(pairs * ip, 0.f);
+      // an item reads two blocks (chunked by their steps' bytes, as measured: team.h)
+      items.init(team, static_cast<int64_t>(r.active.size()) * jb, 2 * L.w13.block_bytes);
+      if (one_filler) fill({0, sources});
+    } catch (...) {  // (an id out of range): the others see the failure before the flag
+      team.failed->store(true, std::memory_order_relaxed);
+      ready.store(true, std::memory_order_release);
+      throw;
+    }
+    ready.store(true, std::memory_order_release);
   };
   auto read_ahead = [&](const Team& team) {
-    warm_gate_up(L.w13, ids.const_data_ptr<int32_t>(), pairs, experts, team, ready);
+    try {  // only ever a head start: a failure here (memory for its list) changes no result
+      warm_gate_up(L.w13, ids.const_data_ptr<int32_t>(), pairs, experts, team, ready);
+    } catch (...) {
+    }
   };
   auto gate_up = [&](const Team& team) {  // step 2's items; a thread done early reads step 4's start
     items.run(team, [&](int64_t item) {
@@ -163,7 +169,7 @@ inline at::Tensor forward_blocks(const BlockLayer& L, const at::Tensor& x, const
     });
     if (past_gate_up.fetch_add(1, std::memory_order_relaxed) + 1 == team.size)
       gate_up_done.store(true, std::memory_order_relaxed);
-    else
+    else if (!r.active.empty())  // (ids with no columns: no pairs)
       warm_down(L.w2, r.active[0], team, gate_up_done);
   };
   in_team([&](const Team& team) {
@@ -177,8 +183,15 @@ inline at::Tensor forward_blocks(const BlockLayer& L, const at::Tensor& x, const
           out = moe_dispatch::new_output(x);
         } else {
           read_ahead(team);
-          while (!ready.load(std::memory_order_acquire)) _mm_pause();
-          if (team.failed->load(std::memory_order_relaxed)) return;  // thread 0's setup failed
+          // Thread 0 sets the flag however its setup ends; a thread that sees the team failed
+          // (thread 0's setup, or nothing: it may not have begun) leaves without reading what
+          // setup makes. Past a short spin, the core goes to thread 0 where threads outnumber cores.
+          for (int spins = 0; !ready.load(std::memory_order_acquire); ++spins) {
+            if (team.failed->load(std::memory_order_relaxed)) return;
+            if (spins < 4096) _mm_pause();
+            else std::this_thread::yield();
+          }
+          if (team.failed->load(std::memory_order_relaxed)) return;
         }
         gate_up(team);
       });

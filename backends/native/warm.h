@@ -60,7 +60,8 @@ inline void warm_gate_up(const BlockProj& w13, const int32_t* ids, int64_t n, in
 }
 
 // What thread `team.id` reads first in step 4: its pairs of the first active expert's w2.
-inline void warm_down(const BlockProj& w2, int64_t first_expert, const Team& team, const std::atomic<bool>& stop) {
+inline void warm_down(const BlockProj& w2, int64_t first_expert, const Team& team,
+                      const std::atomic<bool>& stop) {
   const auto [lo2, hi2] = team.share(w2.blocks / 2);
   if (hi2 > lo2) warm_lines(w2.pair(first_expert, 2 * lo2), (hi2 - lo2) * w2.pair_bytes, kWarmBytes, stop);
 }
