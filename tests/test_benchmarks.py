@@ -13,6 +13,20 @@ from helpers import ZENTORCH_OK, ZENTORCH_WHY
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
+def _native_build() -> str:
+    """The native kernel build this CPU runs, or a skip that says why there is none."""
+    from moe_dispatch_backends.native import kernel
+
+    import moe_dispatch as md
+
+    isa, why = kernel.isa_for(md.Capabilities.detect())
+    if isa is None:
+        pytest.skip(f"the native kernel does not run here: {why}")
+    if kernel.load(isa) is None:
+        pytest.skip(f"the native kernel's {isa} build is unavailable: {kernel.status(isa)}")
+    return isa
+
+
 @pytest.fixture
 def benchmarks_on_path(monkeypatch):
     # The scripts import each other (bench_backends, bench_perf) as top-level modules.
@@ -45,15 +59,8 @@ def test_bench_overhead_needs_two_pairs(capsys):
 @pytest.mark.usefixtures("benchmarks_on_path")
 def test_bench_ceiling_prints_a_row_per_format_and_token_count(capsys):
     import bench_ceiling
-    from moe_dispatch_backends.native import kernel
 
-    import moe_dispatch as md
-
-    isa, why = kernel.isa_for(md.Capabilities.detect())
-    if isa is None:
-        pytest.skip(f"the native kernel does not run here: {why}")
-    if kernel.load(isa) is None:
-        pytest.skip(f"the native kernel's {isa} build is unavailable: {kernel.status(isa)}")
+    _native_build()
     assert bench_ceiling.main(["--config", "C1", "--tokens", "1,2", "--formats", "int8,int4g32",
                                "--reps", "2"]) == 0
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
@@ -67,15 +74,8 @@ def test_bench_ceiling_prints_a_row_per_format_and_token_count(capsys):
 @pytest.mark.usefixtures("benchmarks_on_path")
 def test_bench_stream_prints_a_row_per_format_and_thread_count(capsys):
     import bench_stream
-    from moe_dispatch_backends.native import kernel
 
-    import moe_dispatch as md
-
-    isa, why = kernel.isa_for(md.Capabilities.detect())
-    if isa is None:
-        pytest.skip(f"the native kernel does not run here: {why}")
-    if kernel.load(isa) is None:
-        pytest.skip(f"the native kernel's {isa} build is unavailable: {kernel.status(isa)}")
+    _native_build()
     assert bench_stream.main(["--config", "C1", "--formats", "int8,int4g32", "--threads", "1,2",
                               "--inputs", "1,3", "--experts", "2", "--reps", "2"]) == 0
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
@@ -96,13 +96,7 @@ def test_bench_native_ab_compares_two_builds_of_one_source(capsys):
     import bench_native_ab
     from moe_dispatch_backends.native import kernel
 
-    import moe_dispatch as md
-
-    isa, why = kernel.isa_for(md.Capabilities.detect())
-    if isa is None:
-        pytest.skip(f"the native kernel does not run here: {why}")
-    if kernel.load(isa) is None:
-        pytest.skip(f"the native kernel's {isa} build is unavailable: {kernel.status(isa)}")
+    isa = _native_build()
     source = str(Path(kernel.SOURCE).parent)
     assert bench_native_ab.main(["--base", source, "--new", source, "--isa", isa,
                                  "--cases", "C1:g32:1", "--rounds", "2", "--tag", "smoke"]) == 0
