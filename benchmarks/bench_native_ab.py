@@ -37,7 +37,7 @@ import moe_dispatch as md
 import moe_dispatch.kernels as kernels
 import moe_dispatch_backends.native as native
 from moe_dispatch._timing import CacheFlush
-from moe_dispatch.testing import random_inputs
+from moe_dispatch.testing import random_inputs, random_weights
 from moe_dispatch_backends.native import kernel
 
 from bench_backends import CONFIGS
@@ -66,8 +66,8 @@ def _layer(cname: str, fmt: str, version) -> md.MoELayer:
     kernel.load, native.experts_args = (lambda isa: module), experts_args
     try:
         cfg = md.MoEConfig(**CONFIGS[cname], dtype=torch.bfloat16, weight_scheme=SCHEMES[fmt])
-        g = torch.Generator().manual_seed(0)
-        w13, w2 = torch.randn(cfg.w13_shape, generator=g) * 0.05, torch.randn(cfg.w2_shape, generator=g) * 0.05
+        w = random_weights(md.MoEConfig(**CONFIGS[cname], dtype=torch.float32))
+        w13, w2 = w["w13"], w["w2"]
         layer = md.MoELayer(cfg, backend="native")
         if SCHEMES[fmt] is None:
             return layer.load_weights(w13.bfloat16(), w2.bfloat16()).prepare()

@@ -31,6 +31,7 @@ import torch
 
 import moe_dispatch as md
 from moe_dispatch._timing import CacheFlush
+from moe_dispatch.testing import random_weights
 from moe_dispatch_backends.native import kernel
 
 from bench_backends import CONFIGS
@@ -42,9 +43,9 @@ BLOCK_FORMATS = tuple(SCHEMES)  # int8, int4g128, int4g32
 def _experts(shape: dict, fmt: str) -> tuple[object, md.MoEConfig]:
     """The forced native layer's kernel object, on random weights of this format."""
     cfg = md.MoEConfig(**shape, dtype=torch.bfloat16, weight_scheme=SCHEMES[fmt])
-    g = torch.Generator().manual_seed(0)
-    w13, w2 = torch.randn(cfg.w13_shape, generator=g) * 0.05, torch.randn(cfg.w2_shape, generator=g) * 0.05
-    layer = md.MoELayer(cfg, backend="native").load_weights(md.quantize_experts(w13, w2, SCHEMES[fmt]))
+    w = random_weights(md.MoEConfig(**shape, dtype=torch.float32))
+    layer = md.MoELayer(cfg, backend="native")
+    layer.load_weights(md.quantize_experts(w["w13"], w["w2"], SCHEMES[fmt]))
     return layer.prepare().plan.route.state.experts, cfg
 
 

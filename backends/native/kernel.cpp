@@ -102,16 +102,18 @@ class Experts {
   // benchmarks/bench_stream.py (stream.h): step 2's block loop over w13 of experts
   // [first, first + count), and the bytes it reads, w13's pairs' streams [E, pairs, bytes].
   std::pair<double, double> stream_w13(int64_t first, int64_t count, int64_t inputs) const {
-    TORCH_CHECK(fmt_ != kBf16, "stream_w13: int8 or int4 weights (blocks); this layer's are bf16 rows");
+    const BlockProj& w13 = blocks_w13("stream_w13");
     py::gil_scoped_release no_gil;
-    return stream_pairs(blocks_.w13, experts_, first, count, inputs);
+    return stream_pairs(w13, experts_, first, count, inputs);
   }
-  at::Tensor w13_stream() const {
-    TORCH_CHECK(fmt_ != kBf16, "w13_stream: int8 or int4 weights (blocks); this layer's are bf16 rows");
-    return blocks_.w13.q;
-  }
+  at::Tensor w13_stream() const { return blocks_w13("w13_stream").q; }
 
  private:
+  const BlockProj& blocks_w13(const char* what) const {
+    TORCH_CHECK(fmt_ != kBf16, what, ": int8 or int4 weights (blocks); this layer's are bf16 rows");
+    return blocks_.w13;
+  }
+
   at::Tensor forward_rows(const Routing& r, const at::Tensor& x) const {
     const int64_t tokens = r.tokens, top_k = r.top_k, pairs = r.pairs;
     const int64_t ip = w2_.kp, blocks = (inter_ + kUnits - 1) / kUnits, cols = (hidden_ + kCols - 1) / kCols;
