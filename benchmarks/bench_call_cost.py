@@ -31,7 +31,7 @@ import torch
 
 import moe_dispatch as md
 from moe_dispatch._timing import CacheFlush, time_rounds
-from moe_dispatch.testing import random_inputs
+from moe_dispatch.testing import random_inputs, random_weights
 
 FORMATS = {"bf16": None, "int8": md.QuantScheme("int8"), "int4 g128": md.QuantScheme("int4", group_size=128)}
 
@@ -45,8 +45,8 @@ def _layer(hidden: int, inter: int, scheme: md.QuantScheme | None,
            cls: type[md.MoELayer] = md.MoELayer) -> tuple[md.MoELayer, float]:
     """A forced native layer (E=8, top-2) and the bytes of one expert's weights."""
     cfg = md.MoEConfig(8, 2, hidden, inter, dtype=torch.bfloat16, weight_scheme=scheme)
-    g = torch.Generator().manual_seed(0)
-    w13, w2 = torch.randn(cfg.w13_shape, generator=g) * 0.05, torch.randn(cfg.w2_shape, generator=g) * 0.05
+    w = random_weights(md.MoEConfig(8, 2, hidden, inter, dtype=torch.float32))
+    w13, w2 = w["w13"], w["w2"]
     layer = cls(cfg, backend="native")
     if scheme is None:
         return layer.load_weights(w13.bfloat16(), w2.bfloat16()).prepare(), 3 * hidden * inter * 2

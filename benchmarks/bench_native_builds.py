@@ -25,7 +25,7 @@ import torch
 
 import moe_dispatch as md
 from moe_dispatch._timing import CacheFlush, time_rounds
-from moe_dispatch.testing import random_inputs
+from moe_dispatch.testing import random_inputs, random_weights
 
 from bench_backends import CONFIGS, raw_kernels
 from bench_native import _accepting
@@ -47,9 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     flush = CacheFlush()
     for cname in args.config:
         cfg = md.MoEConfig(**CONFIGS[cname], dtype=torch.bfloat16)
-        g = torch.Generator().manual_seed(0)
-        w13 = (torch.randn(cfg.w13_shape, generator=g) * 0.05).bfloat16()
-        w2 = (torch.randn(cfg.w2_shape, generator=g) * 0.05).bfloat16()
+        w = random_weights(md.MoEConfig(**CONFIGS[cname], dtype=torch.float32))
+        w13, w2 = w["w13"].bfloat16(), w["w2"].bfloat16()
         weights: tuple = (w13, w2)
         if args.scheme is not None:
             cfg = attrs.evolve(cfg, weight_scheme=SCHEMES[args.scheme])
