@@ -89,18 +89,38 @@ struct Inputs {
   void set(int64_t i, const float* v, int64_t len) {
     BfInput* out = f.data() + i * kp;
 #if MD_AVX512
-    for (int64_t k = 0; k < len; ++k) {  // v = hi + lo, each rounded to nearest even
-      const c10::BFloat16 hi(v[k]);
-      const float r = v[k] - static_cast<float>(hi);
-      out[k] = hi.x;
-      if (r == 0.f) continue;  // a zero remainder is the vector's zero fill
+    // v = hi + lo, each rounded to nearest even, 16 values at a time. Why vectorised: one
+    // value at a time (c10::BFloat16) this took 2 ns per value, on one thread: at C1 (E=8
+    // top-2 H=1024 I=1408) T=8, 46 us of step 3 and 12 us of step 1 in a 1.4 ms call, the
+    // other thread waiting. vcvtneps2bf16 takes a subnormal as zero where c10 keeps it, and
+    // so does vdpbf16ps, which takes these vectors: the dot products are the same.
+    for (int64_t k = 0; k < len; k += 16) {
+      const __mmask16 mk = len - k >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (len - k)) - 1);
+      const __m512 x = _mm512_maskz_loadu_ps(mk, v + k);
+      const __m256i hi = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+      const __m512 r = _mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
+      _mm256_mask_storeu_epi16(out + k, mk, hi);
+      // A zero remainder is the vector's zero fill (NaN is not zero: unordered).
+      const __mmask16 nz = _mm512_mask_cmp_ps_mask(mk, r, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+      if (!nz) continue;
       if (lo.empty()) lo.assign(n * kp, BfInput{0});
-      lo[i * kp + k] = c10::BFloat16(r).x;
+      _mm256_mask_storeu_epi16(lo.data() + i * kp + k, nz, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(r)));
     }
 #else
-    for (int64_t k = 0; k < len; ++k) {  // within each kLanes block: evens, then odds
-      const int64_t base = k - k % kLanes, j = k % kLanes;
-      out[base + (j % 2) * (kLanes / 2) + j / 2] = v[k];
+    // Within each block of kLanes (16) values: the 8 evens, then the 8 odds; whole blocks
+    // 16 values at a time (as the avx512 build, for step 3's one thread), the tail by value.
+    const int64_t whole = len - len % kLanes;
+    for (int64_t k = 0; k < whole; k += kLanes) {
+      const __m256 a = _mm256_loadu_ps(v + k), b = _mm256_loadu_ps(v + k + 8);
+      // per 128-bit half: a's two evens (odds), then b's; the middle quarters swapped after
+      const __m256 ev = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+      const __m256 od = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+      _mm256_storeu_ps(out + k, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(ev), 0xD8)));
+      _mm256_storeu_ps(out + k + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(od), 0xD8)));
+    }
+    for (int64_t k = whole; k < len; ++k) {
+      const int64_t j = k - whole;
+      out[whole + (j % 2) * (kLanes / 2) + j / 2] = v[k];
     }
 #endif
   }
