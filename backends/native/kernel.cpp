@@ -239,6 +239,27 @@ class FastCall {
   moe_dispatch::PlainSpec spec_;
 };
 
+// tests/test_native_inputs.py: the bf16 rows' input vectors of float32 rows x [n, len] as
+// steps 1 and 3 make them (Inputs::set), (f, lo) of [n, kp]: in the avx512 build bf16 bits as
+// int16, lo with no rows where every value is a bf16; in the avx2 build the interleaved
+// fp32, lo always without rows.
+std::pair<at::Tensor, at::Tensor> rows_inputs(const at::Tensor& x, int64_t kp) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "rows_inputs: x float32 [n, len], contiguous; got ", x.scalar_type(), " ", x.sizes());
+  const int64_t n = x.size(0), len = x.size(1);
+  TORCH_CHECK(kp % kBlock == 0 && kp >= len, "rows_inputs: kp a multiple of ", kBlock,
+              " and at least len (", len, "), got ", kp);
+  Inputs in;
+  in.init(n, kp);
+  for (int64_t i = 0; i < n; ++i) in.set(i, x.const_data_ptr<float>() + i * len, len);
+  auto tensor = [&](const std::vector<BfInput>& v) {
+    at::Tensor t = at::empty({v.empty() ? 0 : n, kp}, at::TensorOptions().dtype(MD_AVX512 ? at::kShort : at::kFloat));
+    if (!v.empty()) std::memcpy(t.data_ptr(), v.data(), v.size() * sizeof(BfInput));
+    return t;
+  };
+  return {tensor(in.f), tensor(in.lo)};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -248,6 +269,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("read_steps", &read_steps, py::arg("t"), py::arg("sizes"),
         "(seconds, xor of the 64-bit words): bytes [0, sum(sizes)) read by the kernel's team, "
         "segment after segment (benchmarks/bench_ceiling.py)");
+  m.def("rows_inputs", &rows_inputs, py::arg("x"), py::arg("kp"),
+        "(f, lo): the bf16 rows' input vectors of float32 rows x (tests/test_native_inputs.py)");
   py::class_<Experts, std::shared_ptr<Experts>>(m, "Experts")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, at::Tensor, OptTensor, OptTensor,
                     int64_t, at::Tensor, OptTensor, OptTensor, int64_t, int64_t, OptTensor,

@@ -67,6 +67,16 @@ using BfInput = uint16_t;
 using BfInput = float;
 #endif
 
+#if MD_AVX512
+// 16 fp32 values to bf16 bits (in 32-bit lanes) exactly as c10::BFloat16(float) rounds them.
+inline __m512i bf16_bits(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i b = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+#endif
+
 // Input vectors in the layout of the rows' dot product (bf16 weights).
 struct Inputs {
   int64_t kp = 0, n = 0;
@@ -89,22 +99,28 @@ struct Inputs {
   void set(int64_t i, const float* v, int64_t len) {
     BfInput* out = f.data() + i * kp;
 #if MD_AVX512
-    // v = hi + lo, each rounded to nearest even, 16 values at a time. Why vectorised: one
-    // value at a time (c10::BFloat16) this took 2 ns per value, on one thread: at C1 (E=8
-    // top-2 H=1024 I=1408) T=8, 46 us of step 3 and 12 us of step 1 in a 1.4 ms call, the
-    // other thread waiting. vcvtneps2bf16 takes a subnormal as zero where c10 keeps it, and
-    // so does vdpbf16ps, which takes these vectors: the dot products are the same.
+    // v = hi + lo, each rounded as c10::BFloat16 rounds (to nearest even on the bits, a NaN
+    // as 0x7FC0), 16 values at a time. Why vectorised: one value at a time step 3 took 2 ns
+    // per value on its one thread: at C1 (E=8 top-2 H=1024 I=1408) T=8, 46 us of a 1.4 ms
+    // call, 12 us vectorised (a Zen 5). Why not vcvtneps2bf16: it takes a subnormal as zero,
+    // where c10 rounds the largest ones up to the smallest normal bf16, which vdpbf16ps does
+    // not flush; and a subnormal that is a bf16 would get a remainder, and its vectors the
+    // second dot product (tests/test_native_inputs.py).
     for (int64_t k = 0; k < len; k += 16) {
       const __mmask16 mk = len - k >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (len - k)) - 1);
       const __m512 x = _mm512_maskz_loadu_ps(mk, v + k);
-      const __m256i hi = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
-      const __m512 r = _mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
-      _mm256_mask_storeu_epi16(out + k, mk, hi);
+      const __m512i hi = bf16_bits(x);
+      // An infinity is a bf16 with no remainder (inf - inf would make it NaN, where the avx2
+      // build and float math keep the infinity).
+      const __mmask16 inf = _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(INFINITY), _CMP_EQ_OQ);
+      const __m512 r = _mm512_maskz_sub_ps(static_cast<__mmask16>(~inf), x,
+                                           _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
+      _mm256_mask_storeu_epi16(out + k, mk, _mm512_cvtepi32_epi16(hi));
       // A zero remainder is the vector's zero fill (NaN is not zero: unordered).
       const __mmask16 nz = _mm512_mask_cmp_ps_mask(mk, r, _mm512_setzero_ps(), _CMP_NEQ_UQ);
       if (!nz) continue;
       if (lo.empty()) lo.assign(n * kp, BfInput{0});
-      _mm256_mask_storeu_epi16(lo.data() + i * kp + k, nz, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(r)));
+      _mm256_mask_storeu_epi16(lo.data() + i * kp + k, nz, _mm512_cvtepi32_epi16(bf16_bits(r)));
     }
 #else
     // Within each block of kLanes (16) values: the 8 evens, then the 8 odds; whole blocks
