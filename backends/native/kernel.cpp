@@ -239,7 +239,7 @@ class FastCall {
   moe_dispatch::PlainSpec spec_;
 };
 
-// tests/test_native_inputs.py: the bf16 rows' input vectors of float32 rows x [n, len] as
+// tests/test_native_extension.py: the bf16 rows' input vectors of float32 rows x [n, len] as
 // steps 1 and 3 make them (Inputs::set), (f, lo) of [n, kp]: in the avx512 build bf16 bits as
 // int16, lo with no rows where every value is a bf16; in the avx2 build the interleaved
 // fp32, lo always without rows.
@@ -270,7 +270,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(seconds, xor of the 64-bit words): bytes [0, sum(sizes)) read by the kernel's team, "
         "segment after segment (benchmarks/bench_ceiling.py)");
   m.def("rows_inputs", &rows_inputs, py::arg("x"), py::arg("kp"),
-        "(f, lo): the bf16 rows' input vectors of float32 rows x (tests/test_native_inputs.py)");
+        "(f, lo): the bf16 rows' input vectors of float32 rows x (tests/test_native_extension.py)");
   py::class_<Experts, std::shared_ptr<Experts>>(m, "Experts")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, at::Tensor, OptTensor, OptTensor,
                     int64_t, at::Tensor, OptTensor, OptTensor, int64_t, int64_t, OptTensor,

@@ -105,7 +105,7 @@ struct Inputs {
     // call, 12 us vectorised (a Zen 5). Why not vcvtneps2bf16: it takes a subnormal as zero,
     // where c10 rounds the largest ones up to the smallest normal bf16, which vdpbf16ps does
     // not flush; and a subnormal that is a bf16 would get a remainder, and its vectors the
-    // second dot product (tests/test_native_inputs.py).
+    // second dot product (tests/test_native_extension.py).
     for (int64_t k = 0; k < len; k += 16) {
       const __mmask16 mk = len - k >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (len - k)) - 1);
       const __m512 x = _mm512_maskz_loadu_ps(mk, v + k);
