@@ -7,11 +7,6 @@
 
 namespace moe_dispatch_native {
 
-// The lanes k .. hi - 1 of 16 (a masked tail).
-inline __mmask16 tail(int64_t k, int64_t hi) {
-  return hi - k >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (hi - k)) - 1);
-}
-
 inline void BlockInputs::set(int64_t i, const float* v, int64_t len) {
   int8_t* out = q.data() + i * kp;
   int32_t* su = sum.data() + i * units;

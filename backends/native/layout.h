@@ -68,6 +68,11 @@ using BfInput = float;
 #endif
 
 #if MD_AVX512
+// The lanes k .. hi - 1 of 16 (a masked tail).
+inline __mmask16 tail(int64_t k, int64_t hi) {
+  return hi - k >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (hi - k)) - 1);
+}
+
 // 16 fp32 values to bf16 bits (in 32-bit lanes) exactly as c10::BFloat16(float) rounds them.
 inline __m512i bf16_bits(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
@@ -107,7 +112,7 @@ struct Inputs {
     // not flush; and a subnormal that is a bf16 would get a remainder, and its vectors the
     // second dot product (tests/test_native_extension.py).
     for (int64_t k = 0; k < len; k += 16) {
-      const __mmask16 mk = len - k >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (len - k)) - 1);
+      const __mmask16 mk = tail(k, len);
       const __m512 x = _mm512_maskz_loadu_ps(mk, v + k);
       const __m512i hi = bf16_bits(x);
       // An infinity is a bf16 with no remainder (inf - inf would make it NaN, where the avx2
