@@ -16,7 +16,7 @@ from moe_dispatch.reference import moe_reference
 from moe_dispatch.testing import random_routing, random_weights, rel_error, thread_disagreements
 from moe_dispatch_backends.native import AIM_BOUND, _pack
 
-from test_native_backend import _cfg, _check, _layer, build  # noqa: F401  (build: a fixture)
+from native_layers import build, check_layer, layer_config, native_layer  # noqa: F401  (build: a fixture)
 
 INT8, INT8_G32 = md.QuantScheme("int8"), md.QuantScheme("int8", group_size=32)
 INT4_G32, INT4_G128 = md.QuantScheme("int4", group_size=32), md.QuantScheme("int4", group_size=128)
@@ -39,13 +39,13 @@ def _ids(v):
 @pytest.mark.parametrize("activation", list(md.Activation), ids=str)
 def test_every_activation_within_the_bound_both_sides_of_sixteen_tokens(build, scheme, h, i, activation):
     for on_input, top_k, bias in ((False, 2, True), (True, 1, False)):
-        cfg = _cfg(scheme, hidden_size=h, intermediate_size=i, activation=activation, top_k=top_k,
+        cfg = layer_config(scheme, hidden_size=h, intermediate_size=i, activation=activation, top_k=top_k,
                    apply_router_weight_on_input=on_input, has_bias=bias)
-        layer, ref_w, _ = _layer(cfg)
+        layer, ref_w, _ = native_layer(cfg)
         # 1 and 16: x per 32 values; 17 and 64 (over 8 experts: full tiles of six and a
         # remainder): x per 128.
         for tokens in (1, 16, 17, 64):
-            _check(layer, cfg, ref_w, tokens, seed=tokens)
+            check_layer(layer, cfg, ref_w, tokens, seed=tokens)
 
 
 @pytest.mark.parametrize("scheme", [INT8, INT8_G32, INT4_G128, INT4_G64_ZP], ids=_ids)
@@ -53,8 +53,8 @@ def test_layers_of_model_size_hold_the_aim(build, scheme):
     """On layers of a model's size the error is 1.1-1.3e-2 (ERROR_BOUND is for the suite's
     random layers of every drawn shape: tiny single-token layers reach 2.9e-2); AIM_BOUND
     holds it there, on both sides of 16 tokens."""
-    cfg = _cfg(scheme, num_experts=8, top_k=2, hidden_size=1024, intermediate_size=512)
-    layer, ref_w, _ = _layer(cfg)
+    cfg = layer_config(scheme, num_experts=8, top_k=2, hidden_size=1024, intermediate_size=512)
+    layer, ref_w, _ = native_layer(cfg)
     for tokens in (1, 8, 64):
         x, tw, ids = random_routing(cfg, tokens, seed=tokens)
         want = moe_reference(cfg, x, ref_w["w13"], ref_w["w2"], tw, ids)
@@ -73,8 +73,8 @@ def test_hypothesis_shapes_and_token_counts(build, data):
                        dtype=data.draw(st.sampled_from([torch.bfloat16, torch.float32])),
                        weight_scheme=scheme, has_bias=data.draw(st.booleans()),
                        apply_router_weight_on_input=on_input)
-    layer, ref_w, _ = _layer(cfg, seed=data.draw(st.integers(0, 1000)))
-    _check(layer, cfg, ref_w, data.draw(st.integers(1, 80)))
+    layer, ref_w, _ = native_layer(cfg, seed=data.draw(st.integers(0, 1000)))
+    check_layer(layer, cfg, ref_w, data.draw(st.integers(1, 80)))
 
 
 @pytest.mark.parametrize("tokens", [8, 40])
@@ -82,8 +82,8 @@ def test_hypothesis_shapes_and_token_counts(build, data):
 def test_a_tokens_result_does_not_depend_on_its_tile(build, scheme, tokens):
     """Each token's sums are its own (a tile shares weight loads, not sums): the same tokens
     in another order, so in other tiles, give the same rows bit for bit."""
-    cfg = _cfg(scheme, has_bias=True)
-    layer, _, _ = _layer(cfg)
+    cfg = layer_config(scheme, has_bias=True)
+    layer, _, _ = native_layer(cfg)
     x, tw, ids = random_routing(cfg, tokens, seed=5)
     batch = layer(x, tw, ids)
     perm = torch.randperm(tokens, generator=torch.Generator().manual_seed(1))
@@ -100,7 +100,7 @@ def test_the_largest_int4_values_and_inputs_do_not_overflow_the_sums(build, sche
     +1 (nibble 15), token 1 (x = -0.5, quantized to -127) expert 1's up rows of +1; both reach
     the output linearly (the other row of each unit is -1: silu(256) x -256 and
     silu(128) x -128 per unit, then w2's sum of them)."""
-    cfg = _cfg(scheme, num_experts=2, top_k=1, hidden_size=256, intermediate_size=128)
+    cfg = layer_config(scheme, num_experts=2, top_k=1, hidden_size=256, intermediate_size=128)
     w13 = torch.ones(2, 256, 256)
     w13[0, 128:] = -1.0  # expert 0: gate +1, up -1
     w13[1, :128] = -1.0  # expert 1: gate -1, up +1
@@ -124,7 +124,7 @@ def test_the_extreme_int8_values_and_inputs_are_exact(build, scheme):
     stops at -127) and +127 against inputs of magnitude 127 each pair sum is 2 x 128 x 127,
     inside int16's range, and |-128| must read as 128, not as -128. Expert 0's gate rows hold
     -128, its up rows +127, so that a wrong product changes the output's sign or size."""
-    cfg = _cfg(scheme, num_experts=2, top_k=1, hidden_size=256, intermediate_size=128)
+    cfg = layer_config(scheme, num_experts=2, top_k=1, hidden_size=256, intermediate_size=128)
     q13 = torch.full((2, 256, 256), 127, dtype=torch.int8)
     q13[0, :128] = -128
     q13[1, 128:] = -127
@@ -148,8 +148,8 @@ def test_the_extreme_int8_values_and_inputs_are_exact(build, scheme):
 
 
 def test_eight_threads_agree_with_the_serial_result(build):
-    cfg = _cfg(INT4_G128)
-    layer, _, _ = _layer(cfg)
+    cfg = layer_config(INT4_G128)
+    layer, _, _ = native_layer(cfg)
     inputs = [random_routing(cfg, t, seed=t) for t in (1, 7, 17, 24, 40)]
     assert thread_disagreements(layer, inputs) == []
 

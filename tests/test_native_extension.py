@@ -17,7 +17,7 @@ import moe_dispatch as md
 from moe_dispatch.testing import random_weights
 from moe_dispatch_backends.native import kernel
 
-from test_native_backend import _cfg, _layer, build  # noqa: F401  (build: a fixture)
+from native_layers import build, layer_config, native_layer  # noqa: F401  (build: a fixture)
 
 
 def _floats(bits: list[int]) -> torch.Tensor:
@@ -151,7 +151,7 @@ def test_blocked_weights_of_the_wrong_layout_are_refused(build):
     packed without the scales in the stream (each pair its steps alone) are refused by name."""
     from moe_dispatch_backends.native import _pack
 
-    cfg = _cfg(md.QuantScheme("int4", group_size=32))
+    cfg = layer_config(md.QuantScheme("int4", group_size=32))
     w = random_weights(cfg, seed=1)
     qe = md.quantize_experts(w["w13"].float(), w["w2"].float(), cfg.weight_scheme)
     args = list(_pack.experts_args(cfg, md.LayerWeights(cfg, qe.w13.qweight, qe.w2.qweight, quantized=qe)))
@@ -173,8 +173,8 @@ def test_stream_w13_runs_step_twos_loop_over_the_window(build, scheme):
     pair by pair in order: the same at any thread count and any number of inputs beside it
     (each input's sums are its own), and what the dequantized weights give (the input
     quantized per 32 values)."""
-    cfg = _cfg(scheme, hidden_size=256, intermediate_size=64)
-    layer, ref_w, _ = _layer(cfg)
+    cfg = layer_config(scheme, hidden_size=256, intermediate_size=64)
+    layer, ref_w, _ = native_layer(cfg)
     experts = layer.plan.route.state.experts
     stream = experts.w13_stream()
     assert stream.dtype == torch.uint8 and stream.shape[:2] == (8, 64 // 16)
@@ -199,14 +199,14 @@ def test_stream_w13_runs_step_twos_loop_over_the_window(build, scheme):
 
 
 def test_stream_w13_names_what_it_accepts(build):
-    experts = _layer(_cfg(md.QuantScheme("int8")))[0].plan.route.state.experts
+    experts = native_layer(layer_config(md.QuantScheme("int8")))[0].plan.route.state.experts
     for first, count in ((-1, 1), (0, 0), (7, 2), (8, 1)):
         with pytest.raises(RuntimeError, match=r"experts \[first, first \+ count\) within \[0, 8\)"):
             experts.stream_w13(first, count)
     for inputs in (0, 7):
         with pytest.raises(RuntimeError, match=rf"inputs in \[1, 6\], got {inputs}"):
             experts.stream_w13(0, 1, inputs)
-    bf16 = _layer(_cfg(None))[0].plan.route.state.experts
+    bf16 = native_layer(layer_config(None))[0].plan.route.state.experts
     with pytest.raises(RuntimeError, match="int8 or int4 weights"):
         bf16.stream_w13(0, 1)
     with pytest.raises(RuntimeError, match="int8 or int4 weights"):
