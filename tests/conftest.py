@@ -34,7 +34,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(var, raising=False)
     # The suite checks each backend's contract on the resolver's exact choice, so layers run
     # policy="priority" unless a test asks for another. The default policy ("auto", which
-    # times the candidates at prepare()) has its own tests (tests/test_default_routing.py),
+    # times the candidates at prepare()) has its own tests (tests/test_default_routing*.py),
     # which delete this variable; timing every Hypothesis-drawn layer would only add noise.
     monkeypatch.setenv("MOE_DISPATCH_POLICY", "priority")
 
