@@ -1,5 +1,6 @@
 """The vLLM plugin's rules and seam, without an engine: vLLM-shaped layers and an experts
-class with vLLM 0.32's method signatures. tests/test_vllm_engine.py runs the real engine."""
+class with vLLM 0.32's method signatures (tests/vllm_standins.py). A weight update:
+tests/test_vllm_plugin_reload.py; tests/test_vllm_engine.py runs the real engine."""
 
 from __future__ import annotations
 
@@ -14,85 +15,8 @@ import moe_dispatch as md
 from moe_dispatch.testing import TOLERANCE, random_routing, random_weights, reference, rel_error
 from moe_dispatch.vllm_plugin import _seam
 from moe_dispatch.vllm_plugin._describe import NotServed, describe, summary
-from helpers import copying_backends
 
-LOG = logging.getLogger("test.vllm_plugin")
-
-
-class Act:
-    def __init__(self, value: str) -> None:
-        self.value = value
-
-
-class MoEConf:
-    def __init__(self, config: md.MoEConfig, activation: str) -> None:
-        self.num_experts = config.num_experts
-        self.experts_per_token = config.top_k
-        self.hidden_dim = config.hidden_size
-        self.intermediate_size_per_partition = config.intermediate_size
-        self.activation = Act(activation)
-        self.in_dtype = config.dtype
-        self.has_bias = config.has_bias
-        self.is_act_and_mul = True
-        self.is_lora_enabled = False
-
-
-class Layer(torch.nn.Module):
-    """What the plugin reads of vLLM's RoutedExperts after weight loading."""
-
-    def __init__(self, config: md.MoEConfig, seed: int = 0, activation: str | None = None):
-        super().__init__()
-        self.weights = random_weights(config, seed=seed)
-        name = activation or str(config.activation)
-        self.moe_config = MoEConf(config, name)
-        self.activation = Act(name)
-        self.expert_map = None
-        self.global_num_experts = config.num_experts
-        self.apply_router_weight_on_input = False
-        self.w13_weight = torch.nn.Parameter(self.weights["w13"].clone(), requires_grad=False)
-        self.w2_weight = torch.nn.Parameter(self.weights["w2"].clone(), requires_grad=False)
-        if config.has_bias:
-            self.w13_bias = torch.nn.Parameter(self.weights["w13_bias"].clone(),
-                                               requires_grad=False)
-            self.w2_bias = torch.nn.Parameter(self.weights["w2_bias"].clone(),
-                                              requires_grad=False)
-
-
-def experts_class() -> type:
-    """A fresh stand-in for vLLM's CPUUnquantizedExperts (install() patches it in place):
-    its own path prepacks by replacing the parameters, as vLLM's does, and computes the
-    reference, counting its calls."""
-
-    class Experts:
-        def __init__(self, config: md.MoEConfig) -> None:
-            self.config = config
-            self.calls: list[str] = []
-
-        def process_weights_after_loading(self, layer: Any) -> None:
-            self.calls.append("prepack")
-            layer.w13_weight = torch.nn.Parameter(layer.w13_weight.detach().clone(),
-                                                  requires_grad=False)
-
-        def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-                  global_num_experts, expert_map, a1q_scale, a2_scale, workspace13,
-                  workspace2, expert_tokens_meta, apply_router_weight_on_input):
-            self.calls.append("apply")
-            weights = {"w13": w1, "w2": w2, "w13_bias": None, "w2_bias": None}
-            output.copy_(reference(self.config, weights, hidden_states, topk_weights, topk_ids))
-
-    return Experts
-
-
-def _apply(experts: Any, layer: Layer, x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor,
-           on_input: bool = False) -> torch.Tensor:
-    out = torch.empty_like(x)
-    experts.apply(out, x, layer.w13_weight, layer.w2_weight, tw, ids, layer.activation,
-                  layer.global_num_experts, layer.expert_map, None, None, None, None, None,
-                  on_input)
-    return out
-
-
-CONFIG = md.MoEConfig(8, 2, 64, 32, dtype=torch.float32)
+from vllm_standins import CONFIG, LOG, Act, Layer, apply_experts, experts_class
 
 
 def test_describe_maps_a_layer_to_views_of_its_parameters() -> None:
@@ -160,7 +84,7 @@ def test_a_served_layer_runs_through_moe_dispatch_and_keeps_vllms_parameters(
     assert experts.calls == []  # vLLM's prepack did not run
     assert "moe-dispatch: " + CONFIG.describe() + " -> " in caplog.text
     x, tw, ids = random_routing(CONFIG, 5, seed=3)
-    got = _apply(experts, layer, x, tw, ids)
+    got = apply_experts(experts, layer, x, tw, ids)
     assert experts.calls == []
     assert rel_error(got, reference(CONFIG, layer.weights, x, tw, ids)) < TOLERANCE[torch.float32]
     assert layer.w13_weight is before[0] and layer.w13_weight._version == before[1]
@@ -190,7 +114,7 @@ def test_a_layer_not_served_stays_on_vllms_path(caplog: pytest.LogCaptureFixture
         experts.process_weights_after_loading(layer)
     assert experts.calls == ["prepack"]
     assert "left to vLLM's MoE path: activation 'relu2'" in caplog.text
-    _apply(experts, layer, *random_routing(CONFIG, 3))
+    apply_experts(experts, layer, *random_routing(CONFIG, 3))
     assert experts.calls == ["prepack", "apply"]
 
 
@@ -217,7 +141,7 @@ def test_router_weight_on_the_input_combines_with_weight_one() -> None:
     experts.process_weights_after_loading(layer)
     x, tw, ids = random_routing(config, 4, seed=5)
     scaled = x * tw  # what vLLM's prepare step hands the experts
-    got = _apply(experts, layer, scaled, tw, ids, on_input=True)
+    got = apply_experts(experts, layer, scaled, tw, ids, on_input=True)
     want = reference(config, layer.weights, scaled, torch.ones_like(tw), ids)
     assert rel_error(got, want) < TOLERANCE[torch.float32]
 
@@ -235,11 +159,11 @@ def test_a_run_time_failure_hands_the_layer_to_vllms_path(
     monkeypatch.setattr(md.MoELayer, "__call__", broken)
     x, tw, ids = random_routing(CONFIG, 3, seed=2)
     with caplog.at_level(logging.WARNING, logger=LOG.name):
-        got = _apply(experts, layer, x, tw, ids)
+        got = apply_experts(experts, layer, x, tw, ids)
     assert "vLLM's MoE path takes the layer over" in caplog.text
     assert experts.calls == ["prepack", "apply"]
     assert rel_error(got, reference(CONFIG, layer.weights, x, tw, ids)) < TOLERANCE[torch.float32]
-    _apply(experts, layer, x, tw, ids)
+    apply_experts(experts, layer, x, tw, ids)
     assert experts.calls == ["prepack", "apply", "apply"]  # for good
 
 
@@ -341,77 +265,6 @@ def test_the_default_exclusion_is_what_the_registered_backends_declare(
     for bad in (["vLLM engine"], [""]):
         with pytest.raises(ValueError, match="avoid_hosts"):
             md.BackendSpec("vendor_y", 1, loop, avoid_hosts=bad)
-
-
-def method_class(experts_cls: type) -> type:
-    """A stand-in for vLLM's UnquantizedFusedMoEMethod: its first process_weights_after_loading
-    builds the experts object and runs the experts' hook; a later one (a weight update:
-    ``reload_weights``) does not, as in vLLM 0.32."""
-
-    class Method:
-        def __init__(self, config: md.MoEConfig) -> None:
-            self.config, self.moe_kernel = config, None
-
-        def process_weights_after_loading(self, layer: Any) -> None:
-            if self.moe_kernel is None:
-                from types import SimpleNamespace
-                self.moe_kernel = SimpleNamespace(fused_experts=experts_cls(self.config))
-                self.moe_kernel.fused_experts.process_weights_after_loading(layer)
-
-    return Method
-
-
-@pytest.mark.parametrize("copy_first", [False, True], ids=["hook, then copy", "copy, then hook"])
-def test_a_weight_update_rebuilds_the_served_layer_from_the_new_values(copy_first: bool) -> None:
-    # vLLM's layerwise reload runs the method's hook on fresh tensors, then writes the
-    # processed values into the loaded parameters with .data.copy_ (no version bump).
-    backends = copying_backends(CONFIG)  # the ones a write through .data would leave stale
-    if not backends:
-        pytest.skip("no backend here serves fp32 from copies of its own")
-    for backend in backends:
-        cls = experts_class()
-        method_cls = method_class(cls)
-        assert _seam.install(cls, [], lambda: {"backend": backend}, LOG, method_cls)
-        layer, method = Layer(CONFIG), method_cls(CONFIG)
-        method.process_weights_after_loading(layer)
-        experts = method.moe_kernel.fused_experts
-        first = experts.__dict__[_seam._ATTR][0]
-        x, tw, ids = random_routing(CONFIG, 5, seed=4)
-        _apply(experts, layer, x, tw, ids)
-        new = random_weights(CONFIG, seed=9)
-
-        def copy() -> None:
-            layer.w13_weight.data.copy_(new["w13"])
-            layer.w2_weight.data.copy_(new["w2"])
-        if copy_first:
-            copy()
-        method.process_weights_after_loading(layer)
-        assert experts.__dict__[_seam._ATTR][0] is None  # the old copies are dropped now
-        if not copy_first:
-            copy()
-        got = _apply(experts, layer, x, tw, ids)
-        assert rel_error(got, reference(CONFIG, new, x, tw, ids)) < TOLERANCE[torch.float32], \
-            backend
-        rebuilt = experts.__dict__[_seam._ATTR][0]
-        assert rebuilt is not first and rebuilt.backend == backend
-        assert experts.calls == []  # vLLM's own path never ran
-
-
-def test_after_a_weight_update_a_layer_not_served_goes_to_vllms_path(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    cls = experts_class()
-    method_cls = method_class(cls)
-    _seam.install(cls, [], dict, LOG, method_cls)
-    layer, method = Layer(CONFIG), method_cls(CONFIG)
-    method.process_weights_after_loading(layer)
-    experts = method.moe_kernel.fused_experts
-    method.process_weights_after_loading(layer)
-    monkeypatch.setenv("MOE_DISPATCH_BACKEND", "no_such_backend")
-    x, tw, ids = random_routing(CONFIG, 3, seed=6)
-    got = _apply(experts, layer, x, tw, ids)
-    assert experts.calls == ["prepack", "apply"]  # prepared as vLLM would have, then its apply
-    assert rel_error(got, reference(CONFIG, layer.weights, x, tw, ids)) < TOLERANCE[torch.float32]
-    assert _seam._ATTR not in experts.__dict__
 
 
 def test_a_blank_forced_backend_keeps_the_default_exclusions(monkeypatch):
