@@ -185,3 +185,21 @@ def test_both_builds_in_one_process_under_rtld_global():
     assert run.returncode == 0, (run.returncode, run.stderr[-3000:])
     errors = {line.split()[0]: float(line.split()[1]) for line in run.stdout.splitlines()}
     assert set(errors) == {"avx512", "avx2"} and max(errors.values()) < 1e-2, errors
+
+
+def test_a_modules_own_header_is_part_of_its_build_arguments(tmp_path):
+    """torch's builder hashes sources only: an edit to a header named in ``headers`` must
+    change the build's arguments (and so rebuild); without headers the toolkit's alone."""
+    from moe_dispatch.kernels import NativeExtension
+
+    header = tmp_path / "mine.h"
+    header.write_text("// one\n")
+
+    def flags(**kw):
+        return NativeExtension("m", [tmp_path / "m.cpp"], switch="X", dir_env="Y", what="m", **kw).extra_cflags
+
+    before = flags(headers=[header])
+    header.write_text("// two\n")
+    assert flags(headers=[header]) != before
+    assert flags() == flags(headers=())
+    assert flags() != before
