@@ -31,7 +31,9 @@ import torch
 
 import moe_dispatch as md
 from moe_dispatch._timing import CacheFlush, time_rounds
-from moe_dispatch.testing import random_inputs, random_weights
+from moe_dispatch.testing import random_inputs
+
+from bench_backends import expert_weights
 
 FORMATS = {"bf16": None, "int8": md.QuantScheme("int8"), "int4 g128": md.QuantScheme("int4", group_size=128)}
 
@@ -45,8 +47,7 @@ def _layer(hidden: int, inter: int, scheme: md.QuantScheme | None,
            cls: type[md.MoELayer] = md.MoELayer) -> tuple[md.MoELayer, float]:
     """A forced native layer (E=8, top-2) and the bytes of one expert's weights."""
     cfg = md.MoEConfig(8, 2, hidden, inter, dtype=torch.bfloat16, weight_scheme=scheme)
-    w = random_weights(md.MoEConfig(8, 2, hidden, inter, dtype=torch.float32))
-    w13, w2 = w["w13"], w["w2"]
+    w13, w2 = expert_weights(dict(num_experts=8, top_k=2, hidden_size=hidden, intermediate_size=inter))
     layer = cls(cfg, backend="native")
     if scheme is None:
         return layer.load_weights(w13.bfloat16(), w2.bfloat16()).prepare(), 3 * hidden * inter * 2

@@ -35,10 +35,10 @@ import torch
 import moe_dispatch as md
 from moe_dispatch._timing import CacheFlush
 from moe_dispatch.kernels import large_zeros
-from moe_dispatch.testing import random_inputs, random_weights
+from moe_dispatch.testing import random_inputs
 from moe_dispatch_backends.native import kernel
 
-from bench_backends import CONFIGS
+from bench_backends import CONFIGS, expert_weights
 from bench_native import SCHEMES
 from bench_perf import DramRead
 
@@ -89,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- |" + " ---: |" * 8)
     for cname in args.config:
         cfg = md.MoEConfig(**CONFIGS[cname], dtype=torch.bfloat16)
-        w = random_weights(md.MoEConfig(**CONFIGS[cname], dtype=torch.float32))
-        w13, w2 = w["w13"], w["w2"]
+        w13, w2 = expert_weights(CONFIGS[cname])
         layers = {f: _projection_bytes(CONFIGS[cname], f, w13, w2) for f in formats}
         for tokens in [int(t) for t in args.tokens.split(",")]:
             inputs = random_inputs(cfg, tokens, pool=8, seed=tokens)

@@ -34,7 +34,7 @@ CHILD = r"""
 import gc, json, sys, torch
 import moe_dispatch as md
 sys.path.insert(0, {bench_dir!r})
-from bench_backends import CONFIGS, _weights
+from bench_backends import CONFIGS, expert_weights
 
 try:  # give freed heap memory back to the OS, so RSS counts what is held, not what the
     import ctypes  # allocator keeps cached (glibc keeps freed chunks below its mmap threshold)
@@ -66,7 +66,7 @@ if {mode!r} == "warm":  # a small layer of the same kind first: the process's on
 gc.collect()
 empty = status("VmRSS")
 if scheme is None:
-    w13, w2 = _weights(config)
+    w13, w2 = expert_weights(CONFIGS[{config!r}], config.dtype)
     nbytes = w13.numel() * w13.element_size() + w2.numel() * w2.element_size()
     args = (w13, w2)
 else:  # quantized from float32 weights; the float ones are dropped before the baseline

@@ -29,9 +29,9 @@ import torch
 
 import moe_dispatch as md
 from moe_dispatch._timing import CacheFlush, time_rounds
-from moe_dispatch.testing import random_inputs, random_weights
+from moe_dispatch.testing import random_inputs
 
-from bench_backends import CONFIGS, raw_kernels
+from bench_backends import CONFIGS, expert_weights, raw_kernels
 from bench_perf import DramRead
 
 SCHEMES = {"int8": md.QuantScheme("int8"), "int4g128": md.QuantScheme("int4", group_size=128),
@@ -56,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     for cname in args.config:
         shape = CONFIGS[cname]
         cfg = md.MoEConfig(**shape, dtype=torch.bfloat16)
-        w = random_weights(md.MoEConfig(**shape, dtype=torch.float32))
-        w13, w2 = w["w13"], w["w2"]
+        w13, w2 = expert_weights(shape)
         b13, b2 = w13.bfloat16(), w2.bfloat16()
         forced = {n: md.MoELayer(cfg, backend=n).load_weights(b13, b2).prepare() for n in _accepting(cfg)}
         fns: dict = {f"bf16 {n}": layer for n, layer in forced.items()}

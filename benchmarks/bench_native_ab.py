@@ -37,10 +37,10 @@ import moe_dispatch as md
 import moe_dispatch.kernels as kernels
 import moe_dispatch_backends.native as native
 from moe_dispatch._timing import CacheFlush
-from moe_dispatch.testing import random_inputs, random_weights
+from moe_dispatch.testing import random_inputs
 from moe_dispatch_backends.native import kernel
 
-from bench_backends import CONFIGS
+from bench_backends import CONFIGS, expert_weights
 from bench_perf import DramRead
 
 SCHEMES = {"bf16": None, "int8": md.QuantScheme("int8"),
@@ -66,8 +66,7 @@ def _layer(cname: str, fmt: str, version) -> md.MoELayer:
     kernel.load, native.experts_args = (lambda isa: module), experts_args
     try:
         cfg = md.MoEConfig(**CONFIGS[cname], dtype=torch.bfloat16, weight_scheme=SCHEMES[fmt])
-        w = random_weights(md.MoEConfig(**CONFIGS[cname], dtype=torch.float32))
-        w13, w2 = w["w13"], w["w2"]
+        w13, w2 = expert_weights(CONFIGS[cname])
         layer = md.MoELayer(cfg, backend="native")
         if SCHEMES[fmt] is None:
             return layer.load_weights(w13.bfloat16(), w2.bfloat16()).prepare()

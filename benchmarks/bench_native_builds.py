@@ -25,9 +25,9 @@ import torch
 
 import moe_dispatch as md
 from moe_dispatch._timing import CacheFlush, time_rounds
-from moe_dispatch.testing import random_inputs, random_weights
+from moe_dispatch.testing import random_inputs
 
-from bench_backends import CONFIGS, raw_kernels
+from bench_backends import CONFIGS, expert_weights, raw_kernels
 from bench_native import _accepting
 from bench_quant import SCHEMES
 
@@ -47,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     flush = CacheFlush()
     for cname in args.config:
         cfg = md.MoEConfig(**CONFIGS[cname], dtype=torch.bfloat16)
-        w = random_weights(md.MoEConfig(**CONFIGS[cname], dtype=torch.float32))
-        w13, w2 = w["w13"].bfloat16(), w["w2"].bfloat16()
+        w13, w2 = (w.bfloat16() for w in expert_weights(CONFIGS[cname]))
         weights: tuple = (w13, w2)
         if args.scheme is not None:
             cfg = attrs.evolve(cfg, weight_scheme=SCHEMES[args.scheme])

@@ -31,10 +31,9 @@ import torch
 
 import moe_dispatch as md
 from moe_dispatch._timing import CacheFlush
-from moe_dispatch.testing import random_weights
 from moe_dispatch_backends.native import kernel
 
-from bench_backends import CONFIGS
+from bench_backends import CONFIGS, expert_weights
 from bench_native import SCHEMES
 
 BLOCK_FORMATS = tuple(SCHEMES)  # int8, int4g128, int4g32
@@ -43,9 +42,8 @@ BLOCK_FORMATS = tuple(SCHEMES)  # int8, int4g128, int4g32
 def _experts(shape: dict, fmt: str) -> tuple[object, md.MoEConfig]:
     """The forced native layer's kernel object, on random weights of this format."""
     cfg = md.MoEConfig(**shape, dtype=torch.bfloat16, weight_scheme=SCHEMES[fmt])
-    w = random_weights(md.MoEConfig(**shape, dtype=torch.float32))
     layer = md.MoELayer(cfg, backend="native")
-    layer.load_weights(md.quantize_experts(w["w13"], w["w2"], SCHEMES[fmt]))
+    layer.load_weights(md.quantize_experts(*expert_weights(shape), SCHEMES[fmt]))
     return layer.prepare().plan.route.state.experts, cfg
 
 
