@@ -39,7 +39,7 @@ CONFIGS = {
 
 def expert_weights(shape: dict, dtype: torch.dtype = torch.float32, seed: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """w13 and w2 of a CONFIGS shape in ``dtype``, fresh random values (never zeros); the
+    """w13 and w2 of a CONFIGS shape in ``dtype``, fresh random values (never zeros); most
     benchmarks make each weight format from the float32 pair (a bf16 cast, quantize_experts)."""
     w = random_weights(md.MoEConfig(**shape, dtype=dtype), seed)
     return w["w13"], w["w2"]

@@ -8,7 +8,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from fakedist import plugin_path  # noqa: F401  (a fixture shared by the plugin tests)
+# The test modules' shared helpers assert too: rewritten as test modules are, so that their
+# failures show the values compared (pytest rewrites only test_*.py and conftest.py itself).
+pytest.register_assert_rewrite("helpers", "native_layers", "paced", "vllm_standins")
+
+from fakedist import plugin_path  # noqa: E402, F401  (a fixture shared by the plugin tests)
 
 # CI profile: derandomized (reproducible in CI logs), bounded, no deadline (the shared
 # machines are noisy). "dev" explores more; select with HYPOTHESIS_PROFILE.
@@ -48,6 +52,20 @@ def _call_slot_installed() -> None:
     from moe_dispatch import _call_slot
 
     _call_slot.install(md.MoELayer)
+
+
+@pytest.fixture(autouse=True)
+def _call_slot_kept():
+    """The call slot as the test found it. Why: a test that assigns ``MoELayer.__call__``
+    (monkeypatch.setattr, tests/test_vllm_plugin.py) makes CPython reset the class's tp_call,
+    and putting the function back does not bring the slot back: every later test ran the
+    Python ``__call__``. Torn down after the test's own fixtures (monkeypatch's undo)."""
+    from moe_dispatch import _call_slot
+
+    was = _call_slot.active()
+    yield
+    if was and not _call_slot.active():
+        _call_slot.set_active(True)  # raises where the test left __call__ replaced
 
 
 @pytest.fixture(params=["slot", "python"])

@@ -1,10 +1,10 @@
 """Paced backends for the default policy's tests (test_default_routing.py,
-test_default_routing_limits.py): they run the portable loop (so every answer is checked
-against the float64 reference) and take a time that depends on the token count on the
-tuner's clock, which the ``default_policy`` fixture makes virtual (``VirtualClock``): their
-speed ranking per token count is exact, with margins of 3x and more, so the routing the tuner
-must find is known too (ratios within ``DROP_FACTOR``, so no candidate is dropped unless a
-test means it to be). No test asserts a real kernel's timing."""
+test_default_routing_limits.py, test_memory_limit.py): they run the portable loop (so every
+answer is checked against the float64 reference) and take a time that depends on the token
+count on the tuner's clock, which the ``default_policy`` fixture makes virtual
+(``VirtualClock``): their speed ranking per token count is exact, with margins of 3x and
+more, so the routing the tuner must find is known too (ratios within ``DROP_FACTOR``, so no
+candidate is dropped unless a test means it to be). No test asserts a real kernel's timing."""
 
 from __future__ import annotations
 

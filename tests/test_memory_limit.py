@@ -1,7 +1,7 @@
 """``max_weight_copies``: the copies of the weights a layer's backends may hold together.
 
 The resolver leaves out a backend that alone declares more (``BackendSpec.weight_copies``);
-the default routing keeps to a set of backends that fits. Paced backends (test_default_routing)
+the default routing keeps to a set of backends that fits. Paced backends (tests/paced.py)
 make the timings known; the built-ins' declarations are checked on simulated machines.
 """
 
@@ -16,7 +16,7 @@ import moe_dispatch as md
 from moe_dispatch._memory import within_memory
 from moe_dispatch.testing import machine, random_weights
 
-from test_default_routing import CAP, CFG, Paced, _check, default_policy  # noqa: F401 (a fixture)
+from paced import CAP, CFG, Paced, check_routed, default_policy  # noqa: F401 (a fixture)
 
 ZEN4 = machine("zen4")
 
@@ -75,7 +75,7 @@ def test_the_default_routing_keeps_to_the_set_that_fits(default_policy):
         assert "routed within max_weight_copies=2.5: large" in layer.explain()
         assert "left out: small (1)" in layer.explain()
         for tokens in (3, 40):
-            _check(layer, w, tokens, seed=tokens)
+            check_routed(layer, w, tokens, seed=tokens)
 
 
 def test_within_memory_on_tables():

@@ -40,7 +40,7 @@ def _ids(v):
 def test_every_activation_within_the_bound_both_sides_of_sixteen_tokens(build, scheme, h, i, activation):
     for on_input, top_k, bias in ((False, 2, True), (True, 1, False)):
         cfg = layer_config(scheme, hidden_size=h, intermediate_size=i, activation=activation, top_k=top_k,
-                   apply_router_weight_on_input=on_input, has_bias=bias)
+                           apply_router_weight_on_input=on_input, has_bias=bias)
         layer, ref_w, _ = native_layer(cfg)
         # 1 and 16: x per 32 values; 17 and 64 (over 8 experts: full tiles of six and a
         # remainder): x per 128.

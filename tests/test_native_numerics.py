@@ -1,7 +1,7 @@
 """The native backend's numbers, on every build this CPU runs, against the float64
 reference: every weight format and activation, Hypothesis-drawn shapes with odd H and I, the
-int4 zero-point term, a token's result alone and beside others, the fp32 intermediate, NaN
-and infinities where float math puts them, a negated view, and the activations where exp
+int4 zero-point term, a token's result alone and beside others, the fp32 intermediate, a
+NaN that reaches its own token's output only, a negated view, and the activations where exp
 saturates. Test layers and bounds: native_layers.py."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from native_layers import (EACH_FORMAT, SCHEMES, build, check_layer, layer_confi
 def test_every_format_and_activation_matches_the_reference(build, scheme, activation):
     for on_input, top_k, bias in ((False, 2, True), (True, 1, False)):
         cfg = layer_config(scheme, activation=activation, top_k=top_k, apply_router_weight_on_input=on_input,
-                   has_bias=bias)
+                           has_bias=bias)
         layer, ref_w, _ = native_layer(cfg)
         for tokens in (1, 5, 33):  # 33: above max_tokens, forced: still exact
             check_layer(layer, cfg, ref_w, tokens, seed=tokens)
@@ -121,7 +121,7 @@ def test_a_nan_reaches_its_tokens_output_only(build, scheme, activation):
     swigluoai's clamps turned it into the limit."""
     for on_input in (False, True):
         cfg = layer_config(scheme, activation=activation, top_k=1 if on_input else 2,
-                   apply_router_weight_on_input=on_input)
+                           apply_router_weight_on_input=on_input)
         layer, ref_w, _ = native_layer(cfg)
         x, tw, ids = random_routing(cfg, 5, seed=4)
         if on_input:

@@ -1,7 +1,8 @@
 """Stand-ins for what the vLLM plugin reads and patches, with vLLM 0.32's names and method
 signatures (tests/test_vllm_plugin*.py): a RoutedExperts-shaped layer after weight loading,
-a CPUUnquantizedExperts-like experts class and an UnquantizedFusedMoEMethod-like method
-class, both computing the float64 reference and counting their calls.
+a CPUUnquantizedExperts-like experts class (its own path computes the float64 reference and
+counts its calls) and an UnquantizedFusedMoEMethod-like method class (its first hook builds
+the experts object).
 tests/test_vllm_engine.py runs the real engine."""
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def experts_class() -> type:
 
 
 def apply_experts(experts: Any, layer: Layer, x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor,
-           on_input: bool = False) -> torch.Tensor:
+                  on_input: bool = False) -> torch.Tensor:
     out = torch.empty_like(x)
     experts.apply(out, x, layer.w13_weight, layer.w2_weight, tw, ids, layer.activation,
                   layer.global_num_experts, layer.expert_map, None, None, None, None, None,
