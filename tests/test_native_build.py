@@ -1,6 +1,7 @@
 """The toolkit's native-module loader: a module already built loads from its stamp, without
 torch's extension builder; anything else (no stamp, another key, a missing library, an
-unreadable stamp) goes through the builder, which rewrites the stamp."""
+unreadable stamp) goes through the builder, which rewrites the stamp. And what the build's
+arguments hash: a module's own headers as well as the toolkit's."""
 
 from __future__ import annotations
 
