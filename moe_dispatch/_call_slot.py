@@ -92,7 +92,10 @@ def describe() -> str:
             return f"in use on {cls.__name__} ({EXTENSION.status()})"
         if cls.__call__ is not call:
             return f"not in use: {cls.__name__}.__call__ was assigned since; the Python __call__ runs"
-        return "installed, switched off (set_active(False)); the Python __call__ runs"
+        # CPython resets tp_call when __call__ is assigned on the class, and putting the same
+        # function back does not restore the slot: set_active(True) does.
+        return ("installed, switched off (set_active(False), or __call__ assigned on the class "
+                "and put back since); the Python __call__ runs")
     if _failed:
         return f"not installed ({_failed[0]}); the Python __call__ runs"
     return EXTENSION.describe()
