@@ -22,7 +22,7 @@ tracing_state = torch._C._get_tracing_state
 # False outside TorchScript) and then reads COMPILER's flag: 11 us per call when it runs
 # cold, this form 4 us (measured on a Zen 4 after a 128 MiB read). Dynamo folds
 # is_dynamo_compiling() to True while it traces, so it never reads the flag (a read would
-# guard on it and recompile at every call: tests/test_performance_features.py); export and
+# guard on it and recompile at every call: tests/test_compile_and_hooks.py); export and
 # compile sessions set the flag.
 dynamo_compiling = torch.compiler.is_dynamo_compiling
 COMPILER: object = torch.compiler

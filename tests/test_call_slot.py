@@ -3,7 +3,7 @@ every other call, which it hands to the Python ``__call__`` with the same result
 
 Every layer test runs through the slot where it builds (it is installed at the first
 ``prepare()`` with a native entry); the call-path tests of test_native.py and
-test_performance_features.py run once per path (the ``call_path`` fixture)."""
+test_compile_and_hooks.py run once per path (the ``call_path`` fixture)."""
 
 from __future__ import annotations
 
