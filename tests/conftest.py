@@ -72,7 +72,7 @@ def _call_slot_kept():
 def call_path(request: pytest.FixtureRequest):
     """MoELayer's two call paths, one per run of the test: the C call slot
     (moe_dispatch/_call_slot.cpp; skipped where it is not in use) and the Python
-    ``__call__`` that runs without it."""
+    ``__call__`` that runs without it (_call_slot_kept puts the slot back after the test)."""
     from moe_dispatch import _call_slot
 
     was = _call_slot.active()
@@ -80,8 +80,4 @@ def call_path(request: pytest.FixtureRequest):
         pytest.skip(f"the call slot is not in use here: {_call_slot.describe()}")
     if was:
         _call_slot.set_active(request.param == "slot")
-    try:
-        yield request.param
-    finally:
-        if was:
-            _call_slot.set_active(True)
+    return request.param
