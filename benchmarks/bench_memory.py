@@ -70,7 +70,7 @@ if scheme is None:
     nbytes = w13.numel() * w13.element_size() + w2.numel() * w2.element_size()
     args = (w13, w2)
 else:  # quantized from float32 weights; the float ones are dropped before the baseline
-    f13, f2 = torch.randn(config.w13_shape) * 0.05, torch.randn(config.w2_shape) * 0.05
+    f13, f2 = expert_weights(CONFIGS[{config!r}])
     nbytes = (f13.numel() + f2.numel()) * 2  # the bf16 weights' bytes: the targets' unit
     w13, w2 = md.quantize_experts(f13, f2, scheme), None
     del f13, f2

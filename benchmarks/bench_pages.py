@@ -26,9 +26,9 @@ import torch
 import moe_dispatch as md
 from moe_dispatch._timing import CacheFlush, paired_ratio, time_rounds
 from moe_dispatch.kernels import huge_pages_used, large_copy, thp_mode
-from moe_dispatch.testing import random_inputs, random_weights
+from moe_dispatch.testing import random_inputs
 
-from bench_backends import CONFIGS
+from bench_backends import CONFIGS, expert_weights
 
 SWITCH_HUGE_PAGES = "MOE_DISPATCH_HUGE_PAGES"
 CASES = (("bfloat16", None, "native"), ("bfloat16", None, "vllm"), ("float32", None, "vllm"),
@@ -78,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
             res = md.resolve(cfg)
             if not any(c.name == backend and c.decision.accepted for c in res.candidates):
                 continue
-            w = random_weights(md.MoEConfig(**CONFIGS[cname], dtype=cfg.dtype))
-            if scheme is not None:
-                w = {"q": md.quantize_experts(w["w13"].float(), w["w2"].float(), scheme)}
+            w13, w2 = expert_weights(CONFIGS[cname], cfg.dtype)
+            w = ({"w13": w13, "w2": w2} if scheme is None
+                 else {"q": md.quantize_experts(w13.float(), w2.float(), scheme)})
             fns = {f"{kind}#{i}": _layer(cfg, backend, w, kind == "2M") for i in range(2) for kind in ("4K", "2M")}
             for tokens in [int(t) for t in args.tokens.split(",")]:
                 inputs = random_inputs(cfg, tokens, pool=8, seed=tokens)

@@ -32,7 +32,7 @@ import moe_dispatch as md
 from moe_dispatch._timing import time_rounds
 from moe_dispatch.testing import random_inputs
 
-from bench_backends import CONFIGS, raw_zentorch
+from bench_backends import CONFIGS, expert_weights, raw_zentorch
 from bench_perf import read_gbs
 
 SCHEMES = {"int8": md.QuantScheme("int8"), "int8g32": md.QuantScheme("int8", group_size=32),
@@ -53,9 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     for cname in args.config:
         shape = CONFIGS[cname]
         fcfg = md.MoEConfig(**shape, dtype=torch.bfloat16)
-        g = torch.Generator().manual_seed(0)
-        w13 = torch.randn(fcfg.w13_shape, generator=g) * 0.05
-        w2 = torch.randn(fcfg.w2_shape, generator=g) * 0.05
+        w13, w2 = expert_weights(shape)
         fns = {"bf16 default": md.MoELayer(fcfg, tuning_cache=False).load_weights(
             w13.bfloat16(), w2.bfloat16()).prepare()}
         zen = None
